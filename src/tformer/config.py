@@ -1,0 +1,277 @@
+"""ModelConfig: one serializable dataclass from which every Transformer family is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+FAMILIES = ("encoder-decoder", "decoder", "encoder")
+POSITION_NAMES = ("sinusoidal", "learned", "rope", "alibi", "none")
+ROPE_SCALINGS = ("none", "linear", "dynamic-ntk", "yarn")
+FFN_NAMES = ("relu", "gelu", "gelu-tanh", "swiglu", "geglu")
+NORM_NAMES = ("layernorm", "rmsnorm")
+NORM_PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
+ATTENTION_BACKEND_NAMES = ("sdpa", "math")
+INIT_NAMES = ("xavier", "gpt2", "normal")
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message says which one and how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    """Everything needed to build a model. Variants are names resolved through registries.
+
+    The defaults are the base model of "Attention Is All You Need" (Vaswani et al., 2017).
+    """
+
+    # family and sizes
+    family: str = "encoder-decoder"
+    vocab_size: int = 37000
+    tgt_vocab_size: int | None = None  # encoder-decoder target vocabulary; None: same as vocab_size
+    d_model: int = 512
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None: n_heads (MHA); 1: MQA; in between: GQA
+    head_dim: int | None = None  # None: d_model // n_heads
+    d_ff: int = 2048
+    max_seq_len: int = 1024
+    type_vocab_size: int = 0  # BERT's segment embeddings; 0 disables them
+    pad_token_id: int = 0
+
+    # dropout: on embeddings + positions and each sublayer output; on attention probabilities
+    dropout: float = 0.1
+    attn_dropout: float = 0.0
+
+    # positions
+    position: str = "sinusoidal"
+    sinusoidal_base: float = 10000.0
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_max_len: int | None = None  # context the model was trained on; None: max_seq_len
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+
+    # sublayers
+    ffn: str = "relu"
+    ffn_bias: bool = True
+    attn_bias: bool = True
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    norm_bias: bool = True
+    norm_placement: str = "post"
+    embedding_norm: bool = False  # BERT normalizes the embedding sum
+
+    # embeddings and output head
+    scale_embeddings: bool = True  # multiply token embeddings by sqrt(d_model)
+    tie_embeddings: bool = True  # output projection shares the (target) token embedding
+    share_embeddings: bool = True  # encoder-decoder: source and target share one embedding
+    lm_head_bias: bool = False
+
+    # attention
+    sliding_window: int | None = None
+    attention_backend: str = "sdpa"
+    activation_checkpointing: bool = False
+
+    # initialization
+    init: str = "xavier"
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._check_values()
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            self.head_dim = self.d_model // self.n_heads
+        if self.tgt_vocab_size is None:
+            self.tgt_vocab_size = self.vocab_size
+        if self.rope_original_max_len is None:
+            self.rope_original_max_len = self.max_seq_len
+        self._check_derived()
+
+    # ---- derived quantities -------------------------------------------------------------
+    @property
+    def has_encoder(self) -> bool:
+        return self.family in ("encoder-decoder", "encoder")
+
+    @property
+    def has_decoder(self) -> bool:
+        return self.family in ("encoder-decoder", "decoder")
+
+    @property
+    def final_norm(self) -> bool:
+        """Pre- and sandwich-norm stacks end with a norm; post-norm ones already did."""
+        return self.norm_placement in ("pre", "sandwich")
+
+    def deepnorm_coefficients(self, stack: str) -> tuple[float, float]:
+        """DeepNet's (alpha, beta) for the 'encoder' or 'decoder' stack (Wang et al., 2022, Table 1)."""
+        n, m = self.n_encoder_layers, self.n_decoder_layers
+        if self.family == "encoder":
+            return (2 * n) ** 0.25, (8 * n) ** -0.25
+        if self.family == "decoder":
+            return (2 * m) ** 0.25, (8 * m) ** -0.25
+        if stack == "encoder":
+            return 0.81 * (n**4 * m) ** (1 / 16), 0.87 * (n**4 * m) ** (-1 / 16)
+        return (3 * m) ** 0.25, (12 * m) ** -0.25
+
+    # ---- validation ---------------------------------------------------------------------
+    def _check_types(self) -> None:
+        hints = typing.get_type_hints(ModelConfig)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            allowed = _allowed_types(hints[f.name])
+            if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+                setattr(self, f.name, value)
+            ok = any(
+                value is None if t is type(None) else isinstance(value, t) and not (t is int and isinstance(value, bool))
+                for t in allowed
+            )
+            if not ok:
+                names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+                raise ConfigError(f"{f.name} must be {names}, got {value!r} ({type(value).__name__})")
+
+    def _check_values(self) -> None:
+        _check_choice("family", self.family, FAMILIES)
+        _check_choice("position", self.position, POSITION_NAMES)
+        _check_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        _check_choice("ffn", self.ffn, FFN_NAMES)
+        _check_choice("norm", self.norm, NORM_NAMES)
+        _check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKEND_NAMES)
+        _check_choice("init", self.init, INIT_NAMES)
+        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("n_kv_heads", "head_dim", "tgt_vocab_size", "sliding_window", "rope_original_max_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1 (or null for the default), got {value}")
+        if self.has_encoder and self.n_encoder_layers < 1:
+            raise ConfigError(f"family '{self.family}' needs n_encoder_layers >= 1, got {self.n_encoder_layers}")
+        if self.has_decoder and self.n_decoder_layers < 1:
+            raise ConfigError(f"family '{self.family}' needs n_decoder_layers >= 1, got {self.n_decoder_layers}")
+        for name in ("dropout", "attn_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ConfigError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}); "
+                f"change one of them, or set head_dim explicitly"
+            )
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads}): each KV head "
+                f"serves a whole group of query heads; pick n_kv_heads from the divisors of {self.n_heads}"
+            )
+        if self.sliding_window is not None and self.family == "encoder":
+            raise ConfigError(
+                "sliding_window applies to causal self-attention, but family 'encoder' is bidirectional; "
+                "remove sliding_window or use family 'decoder'"
+            )
+        if self.norm_eps <= 0:
+            raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
+        if self.sinusoidal_base <= 1 or self.rope_theta <= 1:
+            raise ConfigError("sinusoidal_base and rope_theta must be greater than 1 (the paper uses 10000)")
+
+    def _check_derived(self) -> None:
+        if self.position == "rope" and self.head_dim % 2:
+            raise ConfigError(
+                f"RoPE rotates pairs of dimensions, so head_dim must be even, got {self.head_dim}; "
+                f"change d_model/n_heads or head_dim"
+            )
+        if self.position == "sinusoidal" and self.d_model % 2:
+            raise ConfigError(f"sinusoidal positions pair sin and cos, so d_model must be even, got {self.d_model}")
+        if self.rope_scaling != "none":
+            if self.position != "rope":
+                raise ConfigError(f"rope_scaling '{self.rope_scaling}' needs position 'rope', got '{self.position}'")
+            if self.rope_factor < 1.0:
+                raise ConfigError(f"rope_factor must be >= 1 (context extension factor), got {self.rope_factor}")
+        if self.family == "encoder-decoder" and self.share_embeddings and self.tgt_vocab_size != self.vocab_size:
+            raise ConfigError(
+                f"share_embeddings needs one joint vocabulary, but vocab_size={self.vocab_size} and "
+                f"tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings: false or use a joint vocabulary"
+            )
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ConfigError(f"pad_token_id ({self.pad_token_id}) must be a token id below vocab_size")
+
+    # ---- serialization ------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> ModelConfig:
+        """Builds a config from plain data, naming `source` in errors about unknown keys."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a mapping of config keys, got {type(data).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key not in known:
+                hint = difflib.get_close_matches(str(key), known, n=1)
+                suggestion = f"; did you mean '{hint[0]}'?" if hint else f"; known keys: {', '.join(known)}"
+                raise ConfigError(f"{source}: unknown config key '{key}'{suggestion}")
+        try:
+            return cls(**data)
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A named configuration from `tformer.presets`, with optional field overrides."""
+        from tformer.presets import PRESETS
+
+        if name not in PRESETS:
+            hint = difflib.get_close_matches(name, PRESETS, n=1)
+            suggestion = f"did you mean '{hint[0]}'? " if hint else ""
+            raise ConfigError(f"unknown preset '{name}'; {suggestion}presets: {', '.join(PRESETS)}")
+        return cls.from_dict({**PRESETS[name], **overrides}, source=f"preset '{name}'")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        """Reads a YAML or JSON file (JSON is valid YAML, so one parser serves both)."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path}: not valid YAML/JSON: {err}") from None
+        if isinstance(data, dict) and isinstance(data.get("model"), dict):
+            data = data["model"]  # a training recipe nests the model under 'model'
+        return cls.from_dict(data, source=str(path))
+
+    def to_file(self, path: str | Path) -> None:
+        """Writes JSON for a .json suffix, YAML otherwise; the write is atomic."""
+        path = Path(path)
+        if path.suffix == ".json":
+            text = json.dumps(self.to_dict(), indent=2) + "\n"
+        else:
+            text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+
+
+def _allowed_types(hint: Any) -> tuple[type, ...]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        hint = difflib.get_close_matches(value, choices, n=1)
+        suggestion = f"did you mean '{hint[0]}'? " if hint else ""
+        raise ConfigError(f"unknown {key} '{value}'; {suggestion}choose one of: {', '.join(choices)}")

@@ -1,0 +1,150 @@
+"""Multi-head attention (MHA / GQA / MQA; self or cross) with swappable backends.
+
+Backends live in ATTENTION_BACKENDS: "sdpa" calls torch's fused scaled_dot_product_attention,
+"math" writes softmax(QK^T / sqrt(d_k) + bias) V out by hand and also returns the weights for plots.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tformer.config import ModelConfig
+from tformer.layers.positions import Rotary, apply_rotary
+
+
+@dataclass
+class AttentionMask:
+    """What a query may attend to: an additive bias (B|1, H|1, Tq, Tk), or just 'causal' or nothing.
+
+    `bias` holds 0 where attention is allowed, the dtype's most negative number where it is not, plus any
+    ALiBi term. When it is None and `is_causal` is set, backends use their fast causal path.
+    """
+
+    bias: torch.Tensor | None = None
+    is_causal: bool = False
+
+
+def build_mask(
+    n_queries: int,
+    key_padding: torch.Tensor | None,
+    n_keys: int,
+    causal: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    window: int | None = None,
+    position_bias: torch.Tensor | None = None,
+) -> AttentionMask:
+    """Combines causal, sliding-window and padding masks with a position bias, once per forward.
+
+    Queries are the last `n_queries` of the `n_keys` positions (so a cache's new tokens line up at the end).
+    `key_padding` is (B, Tk) with True for real tokens. A fully masked row gets uniform weights, not NaN.
+    """
+    if window is not None and window >= n_keys:
+        window = None
+    if key_padding is None and window is None and position_bias is None:
+        if not causal:
+            return AttentionMask()
+        if n_queries == n_keys:
+            return AttentionMask(is_causal=True)
+    q_idx = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]  # (Tq, 1)
+    k_idx = torch.arange(n_keys, device=device)[None, :]  # (1, Tk)
+    allowed = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
+    if causal:
+        allowed = allowed & (k_idx <= q_idx)
+    if window is not None:
+        allowed = allowed & (q_idx - k_idx < window)
+    allowed = allowed[None, None]  # (1, 1, Tq, Tk)
+    if key_padding is not None:
+        allowed = allowed & key_padding.bool()[:, None, None, :]  # (B, 1, Tq, Tk)
+    bias = torch.zeros((), dtype=dtype, device=device) if position_bias is None else position_bias.to(dtype)
+    bias = bias.masked_fill(~allowed, torch.finfo(dtype).min)
+    return AttentionMask(bias=bias)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, Hkv, T, D) -> (B, Hkv * n_rep, T, D): each KV head serves n_rep consecutive query heads."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+Backend = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float
+) -> tuple[torch.Tensor, None]:
+    """torch's fused kernel (flash / memory-efficient / math, chosen by torch)."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    bias = None if mask.bias is None else mask.bias.to(q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=mask.is_causal)
+    return out, None
+
+
+def math_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: softmax(Q K^T / sqrt(d_k) + bias) V, returning the attention weights too."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+    if mask.is_causal:
+        n_q, n_k = scores.shape[-2:]
+        future = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu(n_k - n_q + 1)
+        scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
+    if mask.bias is not None:
+        scores = scores + mask.bias.to(scores.dtype)
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = F.dropout(weights, p=dropout_p) @ v  # (B, H, Tq, D)
+    return out, weights
+
+
+ATTENTION_BACKENDS: dict[str, Backend] = {"sdpa": sdpa_attention, "math": math_attention}
+
+
+class Attention(nn.Module):
+    """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O with head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
+
+    Keys and values have n_kv_heads heads (GQA; MQA when 1). With `context` it is cross-attention.
+    Set `keep_weights` to store the last attention weights (math backend) in `last_weights`.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.d_model, q_dim, bias=config.attn_bias)
+        self.k_proj = nn.Linear(config.d_model, kv_dim, bias=config.attn_bias)
+        self.v_proj = nn.Linear(config.d_model, kv_dim, bias=config.attn_bias)
+        self.out_proj = nn.Linear(q_dim, config.d_model, bias=config.attn_bias)
+        self.backend = ATTENTION_BACKENDS[config.attention_backend]
+        self.attn_dropout = config.attn_dropout
+        self.keep_weights = False
+        self.last_weights: torch.Tensor | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: AttentionMask,
+        rotary: Rotary | None = None,
+        context: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        source = x if context is None else context
+        S = source.shape[1]
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(source).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        v = self.v_proj(source).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        if rotary is not None:
+            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        dropout_p = self.attn_dropout if self.training else 0.0
+        out, weights = self.backend(q, k, v, mask, dropout_p)  # (B, H, T, D)
+        if self.keep_weights:
+            self.last_weights = None if weights is None else weights.detach()
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
+        return self.out_proj(out)

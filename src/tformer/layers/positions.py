@@ -1,0 +1,177 @@
+"""Position schemes: sinusoidal, learned, RoPE (with linear / dynamic-NTK / YaRN scaling), ALiBi, none.
+
+Every scheme answers the same three questions, so a model never branches on the scheme's name:
+- `embed(positions)`: a vector to add to the token embeddings, or None;
+- `rotary(positions)`: the (cos, sin) pair that rotates queries and keys, or None;
+- `attention_bias(q_pos, k_pos)`: a per-head additive bias on the attention scores, or None.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tformer.config import ModelConfig
+
+Rotary = tuple[torch.Tensor, torch.Tensor]
+
+
+class PositionScheme(nn.Module):
+    """No positional information (a 'NoPE' model, which relies on the causal mask alone)."""
+
+    def __init__(self, config: ModelConfig | None = None) -> None:
+        super().__init__()
+
+    def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def rotary(self, positions: torch.Tensor) -> Rotary | None:
+        return None
+
+    def attention_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+
+def sinusoidal_table(n_positions: int, dim: int, base: float = 10000.0) -> torch.Tensor:
+    """PE[t, 2i] = sin(t / base^(2i/d)), PE[t, 2i+1] = cos(t / base^(2i/d)), shape (n_positions, dim)."""
+    t = torch.arange(n_positions, dtype=torch.float64)[:, None]
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = t * inv_freq  # (n_positions, dim/2)
+    table = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)  # interleave sin, cos
+    return table.float()
+
+
+class SinusoidalPositions(PositionScheme):
+    """The paper's fixed encodings, added to the (scaled) token embeddings."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        table = sinusoidal_table(config.max_seq_len, config.d_model, config.sinusoidal_base)
+        self.register_buffer("table", table, persistent=False)
+
+    def embed(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.table[positions]
+
+
+class LearnedPositions(PositionScheme):
+    """One trained vector per absolute position (GPT-2, BERT)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(config.max_seq_len, config.d_model)
+
+    def embed(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.embedding(positions)
+
+
+def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of each rotated pair and the cos/sin scale, after the configured scaling.
+
+    linear: positions divided by the factor (position interpolation, Chen et al., 2023).
+    dynamic-ntk: the base grows once the sequence passes the original context (bloc97 / Code Llama).
+    yarn: per-frequency blend of interpolation and extrapolation plus attention temperature (Peng et al., 2023).
+    """
+    dim, base, factor = config.head_dim, config.rope_theta, config.rope_factor
+    original = config.rope_original_max_len
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    if config.rope_scaling == "dynamic-ntk":
+        seq_len = max(seq_len or original, original)
+        base = base * ((factor * seq_len / original) - (factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / base**exponents
+    if config.rope_scaling == "linear":
+        return inv_freq / factor, 1.0
+    if config.rope_scaling == "yarn":
+        return _yarn_inv_freq(inv_freq, config), 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq, 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    dim, base, original = config.head_dim, config.rope_theta, config.rope_original_max_len
+
+    def pair_index(n_rotations: float) -> float:  # the pair that turns n_rotations times over the context
+        return dim * math.log(original / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(pair_index(config.yarn_beta_fast)), 0)
+    high = min(math.ceil(pair_index(config.yarn_beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1 for high-frequency pairs, which keep their original frequency
+    return inv_freq / config.rope_factor * (1 - extrapolate) + inv_freq * extrapolate
+
+
+class RotaryPositions(PositionScheme):
+    """RoPE (Su et al., 2021) in the half-split layout used by LLaMA checkpoints."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        inv_freq, scale = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scale = scale
+
+    def rotary(self, positions: torch.Tensor) -> Rotary:
+        inv_freq = self.inv_freq
+        if self.config.rope_scaling == "dynamic-ntk":
+            seq_len = int(positions.max()) + 1
+            if seq_len > self.config.rope_original_max_len:
+                inv_freq = rope_inv_freq(self.config, seq_len)[0].to(inv_freq.device)
+        angles = positions[..., None].float() * inv_freq  # (B, T, head_dim/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (B, T, head_dim)
+        return angles.cos() * self.scale, angles.sin() * self.scale
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    """Rotates x (B, H, T, head_dim) by the per-position angles in (cos, sin), each (B, T, head_dim)."""
+    cos, sin = rotary[0][:, None], rotary[1][:, None]  # (B, 1, T, head_dim)
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """Head slopes from the ALiBi paper: a geometric sequence starting at 2^(-8/n).
+
+    For a head count that is not a power of two, take the slopes of the nearest lower power of two,
+    then every other slope of the next power of two (as in the paper's reference code).
+    """
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2 ** (-8 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(n_heads))
+    slopes = power_of_two_slopes(closest)
+    slopes += power_of_two_slopes(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class ALiBiPositions(PositionScheme):
+    """Attention with Linear Biases (Press et al., 2022): score - slope_h * |i - j|, no embeddings."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.register_buffer("slopes", alibi_slopes(config.n_heads), persistent=False)
+
+    def attention_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        distance = (q_pos[:, :, None] - k_pos[:, None, :]).abs().float()  # (B, Tq, Tk)
+        return -self.slopes[None, :, None, None] * distance[:, None]  # (B, H, Tq, Tk)
+
+
+POSITIONS: dict[str, type[PositionScheme]] = {
+    "sinusoidal": SinusoidalPositions,
+    "learned": LearnedPositions,
+    "rope": RotaryPositions,
+    "alibi": ALiBiPositions,
+    "none": PositionScheme,
+}
+
+
+def make_positions(config: ModelConfig) -> PositionScheme:
+    """The position scheme the config names."""
+    return POSITIONS[config.position](config)

@@ -1,0 +1,72 @@
+"""The common base of tformer models and their checkpoint directory format.
+
+A checkpoint directory holds `config.yaml` and `model.safetensors` (plus the tokenizer, when there is one).
+Nothing is ever unpickled: weights go through safetensors only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from tformer.config import ModelConfig
+
+CONFIG_FILE = "config.yaml"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is missing, incomplete or does not match its config."""
+
+
+class TransformerModel(nn.Module):
+    """Base of every model family: holds the config and saves itself as a checkpoint directory."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameters (tied weights count once), optionally without token/position tables."""
+        params = {id(p): p for p in self.parameters()}
+        if exclude_embeddings:
+            for module in self.modules():
+                if isinstance(module, nn.Embedding):
+                    params.pop(id(module.weight), None)
+        return sum(p.numel() for p in params.values())
+
+    def save(self, path: str | Path) -> None:
+        """Writes config.yaml and model.safetensors into directory `path`; each file appears atomically."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.config.to_file(path / CONFIG_FILE)
+        tmp = path / (WEIGHTS_FILE + ".tmp")
+        save_model(self, str(tmp))
+        os.replace(tmp, path / WEIGHTS_FILE)
+
+
+def load(path: str | Path, device: str | torch.device = "cpu") -> TransformerModel:
+    """Loads a checkpoint directory written by `model.save`."""
+    from tformer.models import build_model
+
+    path = Path(path)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path} is not a tformer checkpoint: {name} is missing")
+    config = ModelConfig.from_file(path / CONFIG_FILE)
+    model = build_model(config)
+    try:
+        missing, unexpected = load_model(model, str(path / WEIGHTS_FILE), strict=False, device=str(device))
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise CheckpointError(f"{path / WEIGHTS_FILE}: cannot load weights: {err}") from None
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path / WEIGHTS_FILE} does not match {CONFIG_FILE}: missing {sorted(missing)}, "
+            f"unexpected {sorted(unexpected)}"
+        )
+    return model.to(device)

@@ -1,0 +1,124 @@
+"""The three Transformer families: encoder-decoder, decoder-only language model, encoder with MLM head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tformer.config import ModelConfig
+from tformer.layers import make_norm
+from tformer.layers.ffn import ACTIVATIONS
+from tformer.models.base import TransformerModel
+from tformer.models.stack import TransformerStack
+
+
+def _output_head(config: ModelConfig, tokens: nn.Embedding, vocab_size: int) -> nn.Linear:
+    head = nn.Linear(config.d_model, vocab_size, bias=config.lm_head_bias)
+    if config.tie_embeddings:
+        head.weight = tokens.weight
+    return head
+
+
+class EncoderDecoder(TransformerModel):
+    """The 2017 paper's model: p(y | x) = prod_t p(y_t | x, y_<t), for translation and other seq2seq tasks."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        src_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        tgt_tokens = src_tokens if config.share_embeddings else nn.Embedding(config.tgt_vocab_size, config.d_model)
+        self.encoder = TransformerStack(config, "encoder", src_tokens)
+        self.decoder = TransformerStack(config, "decoder", tgt_tokens, cross_attention=True)
+        self.lm_head = _output_head(config, tgt_tokens, config.tgt_vocab_size)
+
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Source tokens (B, S) -> memory (B, S, d). src_mask is 1 for real tokens."""
+        return self.encoder(src, src_mask)
+
+    def decode(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor | None = None,
+        tgt_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Target prefix (B, T) attending to memory -> next-token logits (B, T, V_tgt)."""
+        hidden = self.decoder(tgt, tgt_mask, memory=memory, memory_padding=src_mask)
+        return self.lm_head(hidden)
+
+    def forward(
+        self,
+        src: torch.Tensor,
+        tgt: torch.Tensor,
+        src_mask: torch.Tensor | None = None,
+        tgt_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Teacher forcing: tgt is the target shifted right; returns logits (B, T, V_tgt)."""
+        return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask)
+
+
+class DecoderLM(TransformerModel):
+    """A decoder-only causal language model (GPT-2/3, LLaMA, Mistral): p(x) = prod_t p(x_t | x_<t)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.decoder = TransformerStack(config, "decoder", tokens)
+        self.lm_head = _output_head(config, tokens, config.vocab_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Tokens (B, T) -> next-token logits (B, T, V)."""
+        return self.lm_head(self.decoder(input_ids, attention_mask, positions))
+
+
+class MLMHead(nn.Module):
+    """BERT's masked-LM head: dense, activation, norm, then the (tied) vocabulary projection."""
+
+    def __init__(self, config: ModelConfig, tokens: nn.Embedding) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.act = ACTIVATIONS[config.ffn]()
+        self.norm = make_norm(config)
+        self.lm_head = _output_head(config, tokens, config.vocab_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(self.act(self.dense(hidden))))
+
+
+class EncoderMLM(TransformerModel):
+    """A bidirectional encoder (BERT) with a masked-language-model head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = TransformerStack(config, "encoder", tokens)
+        self.mlm_head = MLMHead(config, tokens)
+
+    def encode(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_types: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Tokens (B, T) -> contextual hidden states (B, T, d), e.g. for sentence embeddings."""
+        return self.encoder(input_ids, attention_mask, token_types=token_types)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_types: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Tokens (B, T) -> vocabulary logits (B, T, V) at every position."""
+        return self.mlm_head(self.encode(input_ids, attention_mask, token_types))
+
+
+MODELS: dict[str, type[TransformerModel]] = {
+    "encoder-decoder": EncoderDecoder,
+    "decoder": DecoderLM,
+    "encoder": EncoderMLM,
+}

@@ -1,0 +1,93 @@
+"""A stack of Transformer blocks with its embeddings: the shared body of encoders and decoders."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tformer.config import ModelConfig
+from tformer.layers import AttentionMask, Block, build_mask, make_norm, make_positions
+
+
+def default_positions(tokens: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """0, 1, 2, ... over the real tokens, so left and right padding leave real positions unchanged."""
+    if attention_mask is None:
+        return torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention will run in: the autocast dtype when autocast is on, else x's own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class TransformerStack(nn.Module):
+    """Embeddings (tokens * scale + positions [+ segments], norm, dropout), N blocks, final norm.
+
+    `stack` is 'encoder' (bidirectional) or 'decoder' (causal, with cross-attention when
+    `cross_attention` is set). The token embedding is passed in so that models can share it.
+    """
+
+    def __init__(self, config: ModelConfig, stack: str, tokens: nn.Embedding, cross_attention: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.causal = stack == "decoder"
+        self.window = config.sliding_window if self.causal else None
+        n_layers = config.n_decoder_layers if self.causal else config.n_encoder_layers
+        self.tokens = tokens
+        self.token_types = nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
+        self.positions = make_positions(config)
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
+        self.embed_norm = make_norm(config) if config.embedding_norm else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList(Block(config, stack, cross_attention) for _ in range(n_layers))
+        self.final_norm = make_norm(config) if config.final_norm else nn.Identity()
+
+    def embed(
+        self, tokens: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = self.tokens(tokens) * self.embed_scale  # (B, T, d)
+        position_embedding = self.positions.embed(positions)
+        if position_embedding is not None:
+            x = x + position_embedding
+        if self.token_types is not None:
+            x = x + self.token_types(torch.zeros_like(tokens) if token_types is None else token_types)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        return self.dropout(x)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        token_types: torch.Tensor | None = None,
+        memory: torch.Tensor | None = None,
+        memory_padding: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens (B, T) -> hidden states (B, T, d). Masks are (B, T) with 1 for real tokens."""
+        if positions is None:
+            positions = default_positions(tokens, attention_mask)
+        x = self.embed(tokens, positions, token_types)
+        T, dtype, device = tokens.shape[1], compute_dtype(x), x.device
+        position_bias = self.positions.attention_bias(positions, positions)
+        mask = build_mask(T, attention_mask, T, self.causal, dtype, device, self.window, position_bias)
+        rotary = self.positions.rotary(positions)
+        memory_mask = None
+        if memory is not None:
+            memory_mask = build_mask(T, memory_padding, memory.shape[1], False, dtype, device)
+        for layer in self.layers:
+            x = self._run_layer(layer, x, mask, rotary, memory, memory_mask)
+        return self.final_norm(x)
+
+    def _run_layer(
+        self, layer: Block, x: torch.Tensor, mask: AttentionMask, *rest: object
+    ) -> torch.Tensor:
+        if self.config.activation_checkpointing and self.training:
+            return checkpoint(layer, x, mask, *rest, use_reentrant=False)
+        return layer(x, mask, *rest)
