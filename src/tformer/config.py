@@ -132,8 +132,8 @@ class ModelConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             allowed = _allowed_types(hints[f.name])
-            if float in allowed and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
+            if float in allowed and not isinstance(value, (bool, float)):
+                value = _as_float(value)
                 setattr(self, f.name, value)
             ok = any(
                 value is None if t is type(None) else isinstance(value, t) and not (t is int and isinstance(value, bool))
@@ -240,13 +240,14 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
-        """Reads a YAML or JSON file (JSON is valid YAML, so one parser serves both)."""
+        """Reads a YAML file, or JSON for a .json suffix."""
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            text = path.read_text(encoding="utf-8")
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ConfigError(f"{path}: not valid YAML/JSON: {err}") from None
         if isinstance(data, dict) and isinstance(data.get("model"), dict):
             data = data["model"]  # a training recipe nests the model under 'model'
@@ -268,6 +269,18 @@ def _allowed_types(hint: Any) -> tuple[type, ...]:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return typing.get_args(hint)
     return (hint,)
+
+
+def _as_float(value: Any) -> Any:
+    """Ints widen to float; so do strings like '1e-5', which YAML 1.1 (PyYAML) reads as text."""
+    if isinstance(value, int):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:

@@ -1,0 +1,24 @@
+# Two commands on a fresh machine: `make main` (the main job) and `make test` (the whole suite).
+# Each creates the virtual environment and installs the pinned dependencies first, once.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: main test setup clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+setup: $(BIN)/.installed
+
+main: setup
+	$(BIN)/tformer info transformer-base
+
+test: setup
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,58 @@
+"""Shared helpers for the layer and model tests: tiny configs, seeded models, token batches, logits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tformer import ModelConfig, TransformerModel, build_model
+
+# one tiny preset per family (tiny-llama adds RMSNorm, SwiGLU, RoPE and GQA to the decoder family)
+FAMILY_PRESETS = {"encoder-decoder": "tiny-transformer", "decoder": "tiny-gpt2", "encoder": "tiny-bert"}
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    """Every test starts from the same random state, so a failure reproduces."""
+    torch.manual_seed(0)
+
+
+def tiny_config(preset: str = "tiny-gpt2", **overrides: Any) -> ModelConfig:
+    """A tiny preset without dropout (tests compare exact values), with field overrides."""
+    preset = FAMILY_PRESETS.get(preset, preset)
+    return ModelConfig.from_preset(preset, **{"dropout": 0.0, "attn_dropout": 0.0, **overrides})
+
+
+def make_model(config: ModelConfig, seed: int = 0) -> TransformerModel:
+    """A freshly initialised model in eval mode; the same seed gives the same weights."""
+    torch.manual_seed(seed)
+    return build_model(config).eval()
+
+
+def with_config(model: TransformerModel, **overrides: Any) -> TransformerModel:
+    """A copy of `model` with config fields changed (e.g. the attention backend) and the same weights."""
+    config = ModelConfig.from_dict({**model.config.to_dict(), **overrides})
+    other = build_model(config).train(model.training)
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def tokens(batch: int, length: int, vocab_size: int, seed: int = 1) -> torch.Tensor:
+    """Random token ids (B, T) that avoid the pad id 0."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab_size, (batch, length), generator=generator)
+
+
+def logits(
+    model: TransformerModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    src: torch.Tensor | None = None,
+    src_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The model's output logits, whatever its family; encoder-decoders need `src`."""
+    if model.config.family == "encoder-decoder":
+        return model(src, ids, src_mask, mask)
+    return model(ids, mask)

@@ -1,0 +1,41 @@
+"""The command line, run as a user runs it."""
+
+import subprocess
+import sys
+
+from tformer.cli import main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tformer", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_info_on_a_preset_prints_exact_counts():
+    result = run_cli("info", "llama2-7b", "--context", "2048")
+    assert result.returncode == 0, result.stderr
+    assert "parameters     6,738,415,616" in result.stdout
+    assert "524,288 B (0.50 MiB) per token in fp16" in result.stdout
+    assert "1,073,741,824 B (1.00 GiB) at context 2,048" in result.stdout
+
+
+def test_info_on_a_config_file(tmp_path, capsys):
+    path = tmp_path / "model.yaml"
+    path.write_text("family: decoder\nn_encoder_layers: 0\nd_model: 64\nn_heads: 4\nvocab_size: 100\n")
+    assert main(["info", str(path)]) == 0
+    assert "(decoder, d_model=64" in capsys.readouterr().out
+
+
+def test_errors_are_one_clear_line_and_exit_2(tmp_path, capsys):
+    assert main(["info", "gtp2"]) == 2
+    assert "tformer: error: unknown preset 'gtp2'; did you mean 'gpt2'?" in capsys.readouterr().err
+    path = tmp_path / "bad.yaml"
+    path.write_text("n_heads: 7\n")
+    assert main(["info", str(path)]) == 2
+    assert "must be divisible by n_heads (7)" in capsys.readouterr().err
+
+
+def test_every_command_has_help():
+    result = run_cli("--help")
+    assert result.returncode == 0 and "info" in result.stdout
+    result = run_cli("info", "--help")
+    assert result.returncode == 0 and "--context" in result.stdout and "KV-cache element type" in result.stdout

@@ -1,0 +1,53 @@
+"""`tformer info` arithmetic: FLOPs checked against torch's FLOP counter, KV bytes against the seed."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from tformer import ConfigError, ModelConfig, build_model
+from tformer.info import format_info, model_info
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-bert", "tiny-transformer"])
+def test_forward_flops_match_torch_flop_counter(name):
+    config = ModelConfig.from_preset(name, attention_backend="math")  # every matmul visible to the counter
+    model = build_model(config).eval()
+    T = 16
+    tokens = torch.randint(0, config.vocab_size, (1, T))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(tokens, tokens) if config.family == "encoder-decoder" else model(tokens)
+    assert model_info(config, context=T).forward_flops_per_token * T == counter.get_total_flops()
+
+
+def test_kv_cache_reproduces_the_seed_example():
+    # Seed 001 sec. 5.1: LLaMA-7B in fp16 holds 2 x 32 x 4096 x 2 bytes = 0.5 MB per token, 1 GB at 2048.
+    info = model_info(ModelConfig.from_preset("llama2-7b"), context=2048, kv_dtype="fp16")
+    assert info.kv_bytes_per_token == 2**19
+    assert info.kv_bytes_at_context == 2**30
+
+
+def test_kv_cache_gqa_and_sliding_window():
+    info = model_info(ModelConfig.from_preset("mistral-7b"), context=32768, kv_dtype="bf16")
+    assert info.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # 8 KV heads instead of 32
+    assert info.kv_cached_tokens == 4096  # the rolling buffer never holds more than the window
+
+
+def test_training_flops_are_three_forward_passes_and_near_6n():
+    info = model_info(ModelConfig.from_preset("llama2-7b"), context=1)
+    assert info.training_flops_per_token == 3 * info.forward_flops_per_token
+    assert info.training_flops_per_token == pytest.approx(6 * info.n_params_non_embedding, rel=0.03)
+
+
+def test_encoder_has_no_kv_cache_and_format_mentions_it():
+    config = ModelConfig.from_preset("bert-base")
+    info = model_info(config)
+    assert info.kv_bytes_per_token == 0
+    assert "KV cache       none" in format_info("bert-base", config, info)
+
+
+def test_bad_dtype_and_context():
+    config = ModelConfig.from_preset("tiny-gpt2")
+    with pytest.raises(ConfigError, match="unknown dtype 'fp12'"):
+        model_info(config, kv_dtype="fp12")
+    with pytest.raises(ConfigError, match="context must be at least 1"):
+        model_info(config, context=0)
