@@ -9,7 +9,7 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
 
@@ -27,8 +27,82 @@ class ConfigError(ValueError):
     """A config value is invalid; the message says which one and how to fix it."""
 
 
+class ConfigBase:
+    """Typed dataclass fields with YAML/JSON round trips; subclasses validate in `__post_init__`.
+
+    A file may hold this config at top level or under `section` (a recipe has `model:` and `train:`).
+    """
+
+    section = ""
+
+    def _check_types(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            allowed = _allowed_types(hints[f.name])
+            if float in allowed and not isinstance(value, (bool, float)):
+                value = _as_float(value)
+                setattr(self, f.name, value)
+            if not any(_is_instance(value, t) for t in allowed):
+                names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+                raise ConfigError(f"{f.name} must be {names}, got {value!r} ({type(value).__name__})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> Self:
+        """Builds a config from plain data, naming `source` in errors about unknown keys."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a mapping of config keys, got {type(data).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key not in known:
+                hint = difflib.get_close_matches(str(key), known, n=1)
+                suggestion = f"; did you mean '{hint[0]}'?" if hint else f"; known keys: {', '.join(known)}"
+                raise ConfigError(f"{source}: unknown config key '{key}'{suggestion}")
+        try:
+            return cls(**data)
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Self:
+        """Reads a YAML file, or JSON for a .json suffix."""
+        data = read_config_file(path)
+        if cls.section and isinstance(data.get(cls.section), dict):
+            data = data[cls.section]
+        return cls.from_dict(data, source=str(path))
+
+    def to_file(self, path: str | Path) -> None:
+        """Writes JSON for a .json suffix, YAML otherwise; the write is atomic."""
+        path = Path(path)
+        if path.suffix == ".json":
+            text = json.dumps(self.to_dict(), indent=2) + "\n"
+        else:
+            text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML or JSON file, or a ConfigError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not valid YAML/JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+    return data
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(ConfigBase):
     """Everything needed to build a model. Variants are names resolved through registries.
 
     The defaults are the base model of "Attention Is All You Need" (Vaswani et al., 2017).
@@ -127,22 +201,6 @@ class ModelConfig:
         return (3 * m) ** 0.25, (12 * m) ** -0.25
 
     # ---- validation ---------------------------------------------------------------------
-    def _check_types(self) -> None:
-        hints = typing.get_type_hints(ModelConfig)
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            allowed = _allowed_types(hints[f.name])
-            if float in allowed and not isinstance(value, (bool, float)):
-                value = _as_float(value)
-                setattr(self, f.name, value)
-            ok = any(
-                value is None if t is type(None) else isinstance(value, t) and not (t is int and isinstance(value, bool))
-                for t in allowed
-            )
-            if not ok:
-                names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-                raise ConfigError(f"{f.name} must be {names}, got {value!r} ({type(value).__name__})")
-
     def _check_values(self) -> None:
         _check_choice("family", self.family, FAMILIES)
         _check_choice("position", self.position, POSITION_NAMES)
@@ -207,62 +265,48 @@ class ModelConfig:
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ConfigError(f"pad_token_id ({self.pad_token_id}) must be a token id below vocab_size")
 
-    # ---- serialization ------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    # ---- construction -------------------------------------------------------------------
+    section = "model"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> ModelConfig:
-        """Builds a config from plain data, naming `source` in errors about unknown keys."""
-        if not isinstance(data, dict):
-            raise ConfigError(f"{source}: expected a mapping of config keys, got {type(data).__name__}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        for key in data:
-            if key not in known:
-                hint = difflib.get_close_matches(str(key), known, n=1)
-                suggestion = f"; did you mean '{hint[0]}'?" if hint else f"; known keys: {', '.join(known)}"
-                raise ConfigError(f"{source}: unknown config key '{key}'{suggestion}")
-        try:
-            return cls(**data)
-        except ConfigError as err:
-            raise ConfigError(f"{source}: {err}") from None
+        """Like ConfigBase.from_dict; a `preset` key starts from that preset and the other keys override it."""
+        if isinstance(data, dict) and "preset" in data:
+            data = dict(data)
+            name = data.pop("preset")
+            if not isinstance(name, str) or name not in _presets():
+                raise ConfigError(f"{source}: {_unknown_preset(str(name))}")
+            data = {**_presets()[name], **data}
+        return super().from_dict(data, source)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """A named configuration from `tformer.presets`, with optional field overrides."""
-        from tformer.presets import PRESETS
+        if name not in _presets():
+            raise ConfigError(_unknown_preset(name))
+        return cls.from_dict({**_presets()[name], **overrides}, source=f"preset '{name}'")
 
-        if name not in PRESETS:
-            hint = difflib.get_close_matches(name, PRESETS, n=1)
-            suggestion = f"did you mean '{hint[0]}'? " if hint else ""
-            raise ConfigError(f"unknown preset '{name}'; {suggestion}presets: {', '.join(PRESETS)}")
-        return cls.from_dict({**PRESETS[name], **overrides}, source=f"preset '{name}'")
 
-    @classmethod
-    def from_file(cls, path: str | Path) -> ModelConfig:
-        """Reads a YAML file, or JSON for a .json suffix."""
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            text = path.read_text(encoding="utf-8")
-            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ConfigError(f"{path}: not valid YAML/JSON: {err}") from None
-        if isinstance(data, dict) and isinstance(data.get("model"), dict):
-            data = data["model"]  # a training recipe nests the model under 'model'
-        return cls.from_dict(data, source=str(path))
+def _presets() -> dict[str, dict[str, Any]]:
+    from tformer.presets import PRESETS  # presets are data that name config fields, so they import late
 
-    def to_file(self, path: str | Path) -> None:
-        """Writes JSON for a .json suffix, YAML otherwise; the write is atomic."""
-        path = Path(path)
-        if path.suffix == ".json":
-            text = json.dumps(self.to_dict(), indent=2) + "\n"
-        else:
-            text = yaml.safe_dump(self.to_dict(), sort_keys=False)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+    return PRESETS
+
+
+def _unknown_preset(name: str) -> str:
+    hint = difflib.get_close_matches(name, _presets(), n=1)
+    suggestion = f"did you mean '{hint[0]}'? " if hint else ""
+    return f"unknown preset '{name}'; {suggestion}presets: {', '.join(_presets())}"
+
+
+def _is_instance(value: Any, kind: type) -> bool:
+    if kind is type(None):
+        return value is None
+    if kind is int and isinstance(value, bool):
+        return False
+    if typing.get_origin(kind) is list:
+        return isinstance(value, list)
+    return isinstance(value, kind)
 
 
 def _allowed_types(hint: Any) -> tuple[type, ...]:
