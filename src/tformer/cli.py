@@ -1,7 +1,7 @@
 """`tformer <command>`: a table from command name to a typed function.
 
 Each function's signature becomes its command line: parameters without a default are positional,
-the others are `--options`; the docstring's first line is the help text, and its `name: text` lines
+keyword-only ones and those with a default are `--options`, and a list is a variable-length positional; the docstring's first line is the help text, and its `name: text` lines
 document the parameters.
 """
 
@@ -15,7 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tformer.config import ConfigError, ModelConfig
+from tformer.data import DataError
 from tformer.models import CheckpointError
+from tformer.training.trainer import TrainingDiverged
 
 
 def info(model: str, context: int | None = None, dtype: str = "fp16") -> None:
@@ -31,6 +33,63 @@ def info(model: str, context: int | None = None, dtype: str = "fp16") -> None:
     print(format_info(model, config, model_info(config, context, dtype)))
 
 
+def train(recipe: str, overrides: list[str], device: str = "cpu") -> None:
+    """Train a model from a recipe (a YAML file with `model:` and `train:` sections); resumes if interrupted.
+
+    recipe: YAML recipe, e.g. configs/en-de-10min.yaml
+    overrides: section.key=value pairs that override the recipe, e.g. train.max_steps=100 model.d_model=256
+    device: cpu or cuda
+    """
+    from tformer.training import run_recipe
+
+    run_recipe(recipe, overrides, device)
+
+
+def translate(sentences: list[str], *, model: str, beam_size: int = 4, alpha: float = 0.6) -> None:
+    """Translate sentences given as arguments, or one per line from stdin, with a trained checkpoint.
+
+    model: a checkpoint directory, or a training run directory (its best checkpoint is used)
+    sentences: source sentences; none means read stdin
+    beam_size: beam width; 1 is greedy search
+    alpha: length penalty exponent of ((5 + len) / 6) ** alpha
+    """
+    from tformer.training import load_translator
+
+    translator = load_translator(model)
+    lines = sentences or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    for line in translator(lines, beam_size, alpha):
+        print(line)
+
+
+def evaluate(*, model: str, data: str = "bible:en-de", split: str = "test", beam_size: int = 4, alpha: float = 0.6,
+         limit: int = 0) -> None:
+    """Score a translation checkpoint with sacreBLEU on a held-out split or a parallel file.
+
+    model: a checkpoint directory, or a training run directory (its best checkpoint is used)
+    data: 'bible:en-de' / 'bible:en-fr' (uses --split) or a TSV / JSONL file of source and reference
+    split: dev or test, for the embedded corpus
+    limit: score only the first N sentences (0: all)
+    """
+    from tformer.training import evaluate_checkpoint
+
+    result = evaluate_checkpoint(model, data, split, beam_size, alpha, limit)
+    for sample in result.samples(3):
+        print(f"src: {sample['source']}\nhyp: {sample['hypothesis']}\nref: {sample['reference']}\n")
+    print(f"BLEU {result.bleu:.2f} on {len(result.hypotheses)} sentences ({result.signature})")
+
+
+def average(checkpoints: list[str], *, out: str) -> None:
+    """Average the weights of several checkpoints of one run (the paper averages the last 5 or 20).
+
+    checkpoints: checkpoint directories (checkpoints/step-*)
+    out: directory to write the averaged checkpoint to
+    """
+    from tformer.training.checkpoint import average_checkpoints
+
+    average_checkpoints([Path(c) for c in checkpoints], Path(out))
+    print(f"averaged {len(checkpoints)} checkpoints into {out}")
+
+
 def presets() -> None:
     """List the named model configurations."""
     from tformer.presets import PRESETS
@@ -39,7 +98,14 @@ def presets() -> None:
         print(f"{name:18s} {values['family']}")
 
 
-COMMANDS: dict[str, Callable[..., None]] = {"info": info, "presets": presets}
+COMMANDS: dict[str, Callable[..., None]] = {
+    "train": train,
+    "eval": evaluate,
+    "translate": translate,
+    "average": average,
+    "info": info,
+    "presets": presets,
+}
 
 
 def _param_help(fn: Callable[..., None]) -> dict[str, str]:
@@ -60,8 +126,13 @@ def _add_command(subparsers: argparse._SubParsersAction, name: str, fn: Callable
     for param in inspect.signature(fn).parameters.values():
         kind = next(t for t in typing.get_args(hints[param.name]) or (hints[param.name],) if t is not type(None))
         text = helps.get(param.name, "")
-        if param.default is inspect.Parameter.empty:
+        if typing.get_origin(hints[param.name]) is list:
+            parser.add_argument(param.name, nargs="*", type=kind, help=text)
+        elif param.default is inspect.Parameter.empty and param.kind is not param.KEYWORD_ONLY:
             parser.add_argument(param.name, type=kind, help=text)
+        elif param.default is inspect.Parameter.empty:
+            parser.add_argument(f"--{param.name.replace('_', '-')}", dest=param.name, type=kind, required=True,
+                                help=text)
         elif kind is bool:
             parser.add_argument(f"--{param.name.replace('_', '-')}", action=argparse.BooleanOptionalAction,
                                 default=param.default, help=text)
@@ -84,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.pop("_command")
     try:
         command(**args)
-    except (ConfigError, CheckpointError) as err:
+    except (ConfigError, CheckpointError, DataError, TrainingDiverged) as err:
         print(f"tformer: error: {err}", file=sys.stderr)
         return 2
     return 0

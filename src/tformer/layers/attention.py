@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer.config import ModelConfig
+from tformer.layers.kv_cache import CrossKV, KVCache
 from tformer.layers.positions import Rotary, apply_rotary
 
 
@@ -133,18 +134,33 @@ class Attention(nn.Module):
         mask: AttentionMask,
         rotary: Rotary | None = None,
         context: torch.Tensor | None = None,
+        cache: KVCache | CrossKV | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
+        """x (B, T, d) -> (B, T, d). With a `cache`, x holds the tokens at positions start..start+T-1."""
         B, T, _ = x.shape
-        source = x if context is None else context
-        S = source.shape[1]
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(source).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-        v = self.v_proj(source).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-        if rotary is not None:
-            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        if context is None:
+            k, v = self._project_kv(x)
+            if rotary is not None:
+                q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+            if cache is not None:
+                k, v = cache.update(start, k, v)  # (B, Hkv, start+T, D)
+        elif cache is not None and cache.k is not None:
+            k, v = cache.k, cache.v
+        else:
+            k, v = self._project_kv(context)
+            if cache is not None:
+                cache.k, cache.v = k, v
         dropout_p = self.attn_dropout if self.training else 0.0
         out, weights = self.backend(q, k, v, mask, dropout_p)  # (B, H, T, D)
         if self.keep_weights:
             self.last_weights = None if weights is None else weights.detach()
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.out_proj(out)
+
+    def _project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, S, _ = source.shape
+        k = self.k_proj(source).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        v = self.v_proj(source).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        return k, v

@@ -17,6 +17,7 @@ from torch import nn
 from tformer.config import ModelConfig
 from tformer.layers.attention import Attention, AttentionMask
 from tformer.layers.ffn import make_ffn
+from tformer.layers.kv_cache import LayerCache
 from tformer.layers.norms import make_norm
 from tformer.layers.positions import Rotary
 
@@ -93,8 +94,11 @@ class Block(nn.Module):
         rotary: Rotary | None = None,
         memory: torch.Tensor | None = None,
         memory_mask: AttentionMask | None = None,
+        cache: LayerCache | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
-        x = self.norm_attn(x, lambda h: self.self_attn(h, mask, rotary))
+        self_cache, cross_cache = (None, None) if cache is None else (cache.self_attn, cache.cross_attn)
+        x = self.norm_attn(x, lambda h: self.self_attn(h, mask, rotary, cache=self_cache, start=start))
         if self.cross_attn is not None:
-            x = self.norm_cross(x, lambda h: self.cross_attn(h, memory_mask, context=memory))
+            x = self.norm_cross(x, lambda h: self.cross_attn(h, memory_mask, context=memory, cache=cross_cache))
         return self.norm_ffn(x, self.ffn)

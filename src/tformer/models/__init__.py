@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tformer.config import ModelConfig
-from tformer.models.base import CheckpointError, TransformerModel, load
+from tformer.models.base import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, TransformerModel, load
 from tformer.models.families import MODELS, DecoderLM, EncoderDecoder, EncoderMLM
 from tformer.models.init import init_weights
 
@@ -16,6 +16,8 @@ def build_model(config: ModelConfig) -> TransformerModel:
 
 
 __all__ = [
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
     "CheckpointError",
     "DecoderLM",
     "EncoderDecoder",

@@ -7,6 +7,7 @@ from torch import nn
 
 from tformer.config import ModelConfig
 from tformer.layers import make_norm
+from tformer.layers.kv_cache import LayerCache
 from tformer.layers.ffn import ACTIVATIONS
 from tformer.models.base import TransformerModel
 from tformer.models.stack import TransformerStack
@@ -40,10 +41,20 @@ class EncoderDecoder(TransformerModel):
         memory: torch.Tensor,
         src_mask: torch.Tensor | None = None,
         tgt_mask: torch.Tensor | None = None,
+        cache: list[LayerCache] | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
-        """Target prefix (B, T) attending to memory -> next-token logits (B, T, V_tgt)."""
-        hidden = self.decoder(tgt, tgt_mask, memory=memory, memory_padding=src_mask)
+        """Target prefix (B, T) attending to memory -> next-token logits (B, T, V_tgt).
+
+        With a `cache` from `new_cache`, tgt holds only the new tokens at positions start..start+T-1 and the
+        memory's cross-attention keys and values are projected once, on the first call.
+        """
+        hidden = self.decoder(tgt, tgt_mask, memory=memory, memory_padding=src_mask, cache=cache, start=start)
         return self.lm_head(hidden)
+
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
+        """Empty decoder caches for `batch_size` sequences of up to `max_len` target tokens."""
+        return self.decoder.new_cache(batch_size, max_len, dtype)
 
     def forward(
         self,
@@ -70,9 +81,19 @@ class DecoderLM(TransformerModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        cache: list[LayerCache] | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
-        """Tokens (B, T) -> next-token logits (B, T, V)."""
-        return self.lm_head(self.decoder(input_ids, attention_mask, positions))
+        """Tokens (B, T) -> next-token logits (B, T, V).
+
+        With a `cache` from `new_cache`, input_ids are the new tokens after `start` cached ones and
+        attention_mask (if any) covers all start+T positions.
+        """
+        return self.lm_head(self.decoder(input_ids, attention_mask, positions, cache=cache, start=start))
+
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
+        """Empty KV caches for `batch_size` sequences of up to `max_len` tokens."""
+        return self.decoder.new_cache(batch_size, max_len, dtype)
 
 
 class MLMHead(nn.Module):

@@ -10,12 +10,16 @@ from torch.utils.checkpoint import checkpoint
 
 from tformer.config import ModelConfig
 from tformer.layers import AttentionMask, Block, build_mask, make_norm, make_positions
+from tformer.layers.kv_cache import KVCache, LayerCache
 
 
-def default_positions(tokens: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """0, 1, 2, ... over the real tokens, so left and right padding leave real positions unchanged."""
+def default_positions(n_keys: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """0, 1, 2, ... over the real tokens, so left and right padding leave real positions unchanged.
+
+    Returns (B, n_keys) from a (B, n_keys) mask, or (1, n_keys) without one.
+    """
     if attention_mask is None:
-        return torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return torch.arange(n_keys, device=device)[None]
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
@@ -69,25 +73,44 @@ class TransformerStack(nn.Module):
         token_types: torch.Tensor | None = None,
         memory: torch.Tensor | None = None,
         memory_padding: torch.Tensor | None = None,
+        cache: list[LayerCache] | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
-        """tokens (B, T) -> hidden states (B, T, d). Masks are (B, T) with 1 for real tokens."""
-        if positions is None:
-            positions = default_positions(tokens, attention_mask)
+        """tokens (B, T) -> hidden states (B, T, d). Masks are 1 for real tokens.
+
+        Without a cache, attention_mask and positions are (B, T). With a `cache` (incremental decoding),
+        `tokens` sit at positions start..start+T-1 after the cached ones, attention_mask covers all
+        start+T keys, and positions are derived from it.
+        """
+        T = tokens.shape[1]
+        n_keys = start + T
+        if positions is not None and cache is not None:
+            raise ValueError("explicit positions are not supported with a cache; pass attention_mask instead")
+        key_positions = default_positions(n_keys, attention_mask, tokens.device) if positions is None else positions
+        positions = key_positions[:, start:].expand(tokens.shape[0], T)
         x = self.embed(tokens, positions, token_types)
-        T, dtype, device = tokens.shape[1], compute_dtype(x), x.device
-        position_bias = self.positions.attention_bias(positions, positions)
-        mask = build_mask(T, attention_mask, T, self.causal, dtype, device, self.window, position_bias)
+        dtype, device = compute_dtype(x), x.device
+        position_bias = self.positions.attention_bias(positions, key_positions)
+        mask = build_mask(T, attention_mask, n_keys, self.causal, dtype, device, self.window, position_bias)
         rotary = self.positions.rotary(positions)
         memory_mask = None
         if memory is not None:
             memory_mask = build_mask(T, memory_padding, memory.shape[1], False, dtype, device)
-        for layer in self.layers:
-            x = self._run_layer(layer, x, mask, rotary, memory, memory_mask)
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else cache[i]
+            x = self._run_layer(layer, x, mask, rotary, memory, memory_mask, layer_cache, start)
         return self.final_norm(x)
 
-    def _run_layer(
-        self, layer: Block, x: torch.Tensor, mask: AttentionMask, *rest: object
-    ) -> torch.Tensor:
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
+        """Empty per-layer caches for decoding up to `max_len` positions."""
+        weight = self.tokens.weight
+        heads, head_dim = self.config.n_kv_heads, self.config.head_dim
+        return [
+            LayerCache(KVCache(batch_size, heads, head_dim, max_len, dtype or weight.dtype, weight.device))
+            for _ in self.layers
+        ]
+
+    def _run_layer(self, layer: Block, x: torch.Tensor, mask: AttentionMask, *rest: object) -> torch.Tensor:
         if self.config.activation_checkpointing and self.training:
             return checkpoint(layer, x, mask, *rest, use_reentrant=False)
         return layer(x, mask, *rest)

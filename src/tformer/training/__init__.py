@@ -1,0 +1,78 @@
+"""Training: recipes, the loop, losses, optimizers, checkpoints and evaluation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from tformer.config import ConfigError, ModelConfig, read_config_file
+from tformer.data import Tokenizer, bible_pairs, read_parallel
+from tformer.models import load
+from tformer.training.checkpoint import resolve_checkpoint
+from tformer.training.config import TrainConfig
+from tformer.training.evaluate import TranslationResult, evaluate_translation, translate
+from tformer.training.trainer import Trainer, TrainingDiverged
+
+SECTIONS = ("model", "train")
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> tuple[ModelConfig, TrainConfig]:
+    """Reads a recipe (`model:` and `train:` sections) and applies `section.key=value` overrides."""
+    data = read_config_file(path)
+    for key in data:
+        if key not in SECTIONS:
+            raise ConfigError(f"{path}: unknown section '{key}'; a recipe has the sections {', '.join(SECTIONS)}")
+    sections = {name: dict(data.get(name) or {}) for name in SECTIONS}
+    for item in overrides:
+        dotted, sep, value = item.partition("=")
+        section, dot, key = dotted.partition(".")
+        if not sep or not dot or section not in SECTIONS:
+            raise ConfigError(f"override '{item}' must look like model.KEY=VALUE or train.KEY=VALUE")
+        sections[section][key] = yaml.safe_load(value)
+    model = ModelConfig.from_dict(sections["model"], source=f"{path} (model)")
+    train = TrainConfig.from_dict(sections["train"], source=f"{path} (train)")
+    return model, train
+
+
+def run_recipe(path: str | Path, overrides: list[str] = (), device: str = "cpu") -> dict:
+    """Trains as the recipe says, then prints dev BLEU and sample translations."""
+    model_config, train_config = load_recipe(path, overrides)
+    result = Trainer(model_config, train_config, device).fit()
+    print(f"\nfinished at step {result['step']} after {result['elapsed']:.0f} s of training")
+    if "dev_bleu" in result:
+        print(f"dev BLEU (all {result['dev_sentences']} sentences, beam {train_config.beam_size}): "
+              f"{result['dev_bleu']:.2f}")
+        for sample in result["samples"]:
+            print(f"  src: {sample['source']}\n  hyp: {sample['hypothesis']}\n  ref: {sample['reference']}")
+    print(f"checkpoints in {train_config.out_dir}; try: tformer translate --model {train_config.out_dir} 'Hello.'")
+    return result
+
+
+def load_translator(path: str | Path):
+    """A function (sentences, beam_size, alpha) -> translations for a checkpoint or run directory."""
+    checkpoint = resolve_checkpoint(path)
+    model, tokenizer = load(checkpoint), Tokenizer.from_file(checkpoint)
+    if model.config.family != "encoder-decoder":
+        raise ConfigError(f"{checkpoint} holds a '{model.config.family}' model; translation needs encoder-decoder")
+    return lambda sentences, beam_size=4, alpha=0.6: translate(model, tokenizer, sentences, beam_size, alpha)
+
+
+def evaluate_checkpoint(path: str | Path, data: str = "bible:en-de", split: str = "test", beam_size: int = 4,
+                        alpha: float = 0.6, limit: int = 0) -> TranslationResult:
+    """sacreBLEU of a checkpoint on the embedded corpus's `split` or on a parallel file."""
+    checkpoint = resolve_checkpoint(path)
+    model, tokenizer = load(checkpoint), Tokenizer.from_file(checkpoint)
+    pairs = bible_pairs(data.split(":", 1)[1], split) if data.startswith("bible:") else read_parallel(data)
+    return evaluate_translation(model, tokenizer, pairs[:limit] if limit else pairs, beam_size, alpha)
+
+
+__all__ = [
+    "Trainer",
+    "TrainConfig",
+    "TrainingDiverged",
+    "evaluate_checkpoint",
+    "load_recipe",
+    "load_translator",
+    "run_recipe",
+]

@@ -1,0 +1,119 @@
+"""Training checkpoints: weights, tokenizer and the full trainer state, written atomically.
+
+A run directory looks like::
+
+    runs/en-de/
+      train.yaml                     the recipe as run (model + train sections)
+      metrics.jsonl                  one JSON object per log / eval event
+      curves.png                     loss, learning rate and dev BLEU
+      best.json                      {"step": ..., "bleu": ...}: the checkpoint `tformer translate` uses
+      checkpoints/step-00000500/     config.yaml, model.safetensors, tokenizer.json, trainer_state.pt
+
+Each checkpoint is first written to `step-XXXXXXXX.tmp/` and renamed into place, so a crash (even kill -9)
+never leaves a half-written checkpoint under a real name. trainer_state.pt holds only tensors and plain
+containers and is read with `torch.load(weights_only=True)`: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tformer.models import CheckpointError, TransformerModel, load
+
+STATE_FILE = "trainer_state.pt"
+BEST_FILE = "best.json"
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step-{step:08d}"
+
+
+def save_checkpoint(run_dir: Path, step: int, model: TransformerModel, tokenizer: Any, state: dict) -> Path:
+    """Writes model, tokenizer and trainer `state` for `step`, then renames the directory into place."""
+    final = checkpoint_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save(tmp)
+    tokenizer.save(tmp)
+    torch.save(state, tmp / STATE_FILE)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporary directories of interrupted writes are skipped)."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and "." not in p.name)
+
+
+def load_trainer_state(checkpoint: Path) -> dict:
+    """The trainer state saved beside the weights, read without unpickling arbitrary objects."""
+    try:
+        return torch.load(checkpoint / STATE_FILE, weights_only=True)
+    except (OSError, RuntimeError) as err:
+        raise CheckpointError(f"{checkpoint / STATE_FILE}: cannot read trainer state: {err}") from None
+
+
+def best_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint with the best dev BLEU so far, if one was recorded and still exists."""
+    path = run_dir / BEST_FILE
+    if not path.is_file():
+        return None
+    best = checkpoint_dir(run_dir, json.loads(path.read_text())["step"])
+    return best if best.is_dir() else None
+
+
+def record_best(run_dir: Path, step: int, bleu: float) -> None:
+    tmp = run_dir / (BEST_FILE + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "bleu": bleu}) + "\n")
+    os.replace(tmp, run_dir / BEST_FILE)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory itself, or for a run directory its best checkpoint (else its latest)."""
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        return path
+    found = best_checkpoint(path) or next(reversed(list_checkpoints(path)), None)
+    if found is None:
+        raise CheckpointError(
+            f"{path} is neither a checkpoint (no model.safetensors) nor a run directory with checkpoints/; "
+            f"pass the out_dir of a training run or one of its checkpoints/step-* directories"
+        )
+    return found
+
+
+def average_checkpoints(paths: list[Path], out: Path) -> Path:
+    """Writes the element-wise mean of several checkpoints' weights (same config) to `out`."""
+    if not paths:
+        raise CheckpointError("average needs at least one checkpoint")
+    models = [load(p) for p in paths]
+    if any(m.config != models[0].config for m in models):
+        raise CheckpointError(f"cannot average checkpoints with different configs: {', '.join(map(str, paths))}")
+    averaged = models[0]
+    with torch.no_grad():
+        for name, param in averaged.state_dict(keep_vars=True).items():
+            param.copy_(torch.stack([m.state_dict()[name].float() for m in models]).mean(0).to(param.dtype))
+    averaged.save(out)
+    tokenizer = paths[-1] / "tokenizer.json"
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+    return out
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
+    """Deletes all but the newest `keep_last` checkpoints, always keeping the best one."""
+    best = best_checkpoint(run_dir)
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        if old != best:
+            shutil.rmtree(old)

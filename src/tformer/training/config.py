@@ -1,0 +1,66 @@
+"""TrainConfig: the `train:` section of a recipe (data, optimizer, schedule, checkpoints, evaluation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tformer.config import ConfigBase, ConfigError
+
+OPTIMIZERS = ("adam-noam", "adamw-cosine")
+OBJECTIVE_NAMES = ("seq2seq", "clm", "mlm", "span_corruption", "denoising", "prefix_lm")
+
+
+@dataclass
+class TrainConfig(ConfigBase):
+    """How to train: the defaults are the 2017 recipe, sized to finish on a laptop CPU in about ten minutes."""
+
+    section = "train"
+
+    # data: 'bible:en-de' / 'bible:en-fr' (the embedded corpus, split by book), or a TSV / JSONL / text file
+    corpus: str = "bible:en-de"
+    corpus_tgt: str | None = None  # target side when `corpus` is the source side of two aligned files
+    dev_corpus: str | None = None  # user data: dev file (TSV/JSONL); the embedded corpus has its own split
+    objective: str = "seq2seq"
+    vocab_size: int = 8000
+    max_len: int = 128  # examples with more tokens on either side are skipped
+    max_tokens: int = 4096  # token budget per batch (fairseq --max-tokens)
+    grad_accum: int = 1
+
+    # optimization
+    optimizer: str = "adam-noam"
+    lr: float = 1.0  # adam-noam: scale on d^-0.5 * min(t^-0.5, t * warmup^-1.5); adamw-cosine: the peak
+    warmup: int = 4000
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.1
+    clip_grad: float = 0.0  # max gradient norm; 0 disables clipping
+    bf16: bool = False  # bf16 autocast
+    max_steps: int = 100_000
+    time_budget: float = 0.0  # seconds of training before stopping cleanly; 0 means no limit
+    seed: int = 1
+
+    # evaluation, logging and checkpoints
+    out_dir: str = "runs/en-de"
+    eval_every: int = 1000
+    eval_sentences: int = 200  # dev sentences decoded for BLEU during training (all of them at the end)
+    beam_size: int = 4
+    length_penalty: float = 0.6  # GNMT's alpha, as in the paper
+    save_every: int = 500
+    keep_last: int = 3
+    log_every: int = 20
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer '{self.optimizer}'; choose one of: {', '.join(OPTIMIZERS)}")
+        if self.objective not in OBJECTIVE_NAMES:
+            raise ConfigError(f"unknown objective '{self.objective}'; choose one of: {', '.join(OBJECTIVE_NAMES)}")
+        for name in ("vocab_size", "max_len", "max_tokens", "grad_accum", "max_steps", "eval_every",
+                     "save_every", "keep_last", "log_every", "beam_size", "warmup"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.max_tokens < self.max_len + 1:
+            raise ConfigError(f"max_tokens ({self.max_tokens}) must hold one example of max_len ({self.max_len}) + 1")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")

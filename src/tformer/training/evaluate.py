@@ -1,0 +1,67 @@
+"""Evaluation during and after training: sacreBLEU for translation, perplexity for language models."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import sacrebleu
+import torch
+
+from tformer.data import Tokenizer
+from tformer.inference import translate_ids
+from tformer.models import EncoderDecoder, TransformerModel
+
+
+@dataclass
+class TranslationResult:
+    """Corpus BLEU (sacreBLEU, 13a tokenization, on detokenized text) with the sentences behind it."""
+
+    bleu: float
+    signature: str
+    sources: list[str]
+    hypotheses: list[str]
+    references: list[str]
+
+    def samples(self, n: int) -> list[dict[str, str]]:
+        return [
+            {"source": s, "hypothesis": h, "reference": r}
+            for s, h, r in zip(self.sources[:n], self.hypotheses[:n], self.references[:n])
+        ]
+
+
+def translate(
+    model: EncoderDecoder, tokenizer: Tokenizer, sentences: Sequence[str], beam_size: int = 4, alpha: float = 0.6
+) -> list[str]:
+    """Translates plain sentences with beam search (greedy when beam_size is 1)."""
+    sources = tokenizer.encode_batch(list(sentences))
+    ids = translate_ids(model, sources, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, beam_size, alpha)
+    return tokenizer.decode_batch(ids)
+
+
+def evaluate_translation(
+    model: EncoderDecoder, tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]], beam_size: int = 4,
+    alpha: float = 0.6,
+) -> TranslationResult:
+    """Translates the sources of `pairs` and scores them against the references with sacreBLEU."""
+    sources = [s for s, _ in pairs]
+    references = [r for _, r in pairs]
+    hypotheses = translate(model, tokenizer, sources, beam_size, alpha)
+    bleu = sacrebleu.metrics.BLEU()
+    score = bleu.corpus_score(hypotheses, [references])
+    return TranslationResult(score.score, str(bleu.get_signature()), sources, hypotheses, references)
+
+
+@torch.no_grad()
+def perplexity(model: TransformerModel, batches: Sequence) -> float:
+    """exp(mean negative log-likelihood per target token) over LM batches with -100 on ignored labels."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        logits = model(batch.input_ids, batch.attention_mask).float()
+        loss = torch.nn.functional.cross_entropy(
+            logits.view(-1, logits.shape[-1]), batch.labels.view(-1), ignore_index=-100, reduction="sum"
+        )
+        total, count = total + loss.item(), count + int((batch.labels != -100).sum())
+    return math.exp(total / max(count, 1))

@@ -1,0 +1,213 @@
+"""The training loop: token-budget batches, label-smoothed loss, accumulation, clipping, bf16 autocast,
+atomic checkpoints with bit-exact resume, dev BLEU, JSONL metrics, a progress bar and clean Ctrl-C.
+
+Resuming: every checkpoint stores the optimizer, scheduler and RNG state and the data cursor, and every
+random choice in a step is drawn from generators seeded by (seed, step), so a run killed at any point and
+restarted continues to the same weights as an uninterrupted run (bit-exact on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_model
+from tqdm import tqdm
+
+from tformer.config import ModelConfig
+from tformer.data import OBJECTIVES, Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab
+from tformer.models import WEIGHTS_FILE, TransformerModel, build_model
+from tformer.training.checkpoint import (
+    list_checkpoints,
+    load_trainer_state,
+    prune_checkpoints,
+    record_best,
+    save_checkpoint,
+)
+from tformer.training.config import TrainConfig
+from tformer.training.corpus import PreparedData, prepare_data
+from tformer.training.evaluate import evaluate_translation
+from tformer.training.losses import label_smoothed_cross_entropy
+from tformer.training.optim import adamw_cosine, paper_adam
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient became NaN or infinite; the last good checkpoint is kept."""
+
+
+def forward_logits(model: TransformerModel, batch: Seq2SeqBatch | LMBatch) -> torch.Tensor:
+    """Logits aligned with `batch.labels`, for either kind of batch."""
+    if isinstance(batch, Seq2SeqBatch):
+        return model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+    return model(batch.input_ids, batch.attention_mask)
+
+
+class Trainer:
+    """Trains `model_config` with `train_config`, writing everything into `train_config.out_dir`."""
+
+    def __init__(self, model_config: ModelConfig, train_config: TrainConfig, device: str = "cpu") -> None:
+        self.config = train_config
+        self.run_dir = Path(train_config.out_dir)
+        self.device = torch.device(device)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.data: PreparedData = prepare_data(train_config, self.run_dir)
+        tokenizer = self.data.tokenizer
+        self.model_config = replace(model_config, vocab_size=tokenizer.vocab_size, tgt_vocab_size=None,
+                                    pad_token_id=tokenizer.pad_id)
+        self._write_recipe()
+        torch.manual_seed(train_config.seed)
+        self.model = build_model(self.model_config).to(self.device)
+        self.optimizer, self.scheduler = self._optimizer()
+        self.sampler = TokenBatchSampler(self.data.lengths, train_config.max_tokens, seed=train_config.seed)
+        self.vocab = Vocab.of(tokenizer)
+        self.step, self.cursor, self.best_bleu, self.elapsed = 0, Cursor(), -1.0, 0.0
+        self.stop_requested = False
+        self._resume()
+
+    # ---- setup -----------------------------------------------------------------------------------------
+    def _optimizer(self) -> tuple:
+        c = self.config
+        if c.optimizer == "adam-noam":
+            return paper_adam(self.model, self.model_config.d_model, c.warmup, scale=c.lr)
+        return adamw_cosine(self.model, c.lr, c.warmup, c.max_steps, weight_decay=c.weight_decay)
+
+    def _write_recipe(self) -> None:
+        recipe = {"model": self.model_config.to_dict(), "train": self.config.to_dict()}
+        (self.run_dir / "train.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+
+    def _resume(self) -> None:
+        checkpoints = list_checkpoints(self.run_dir)
+        if not checkpoints:
+            return
+        latest = checkpoints[-1]
+        load_model(self.model, str(latest / WEIGHTS_FILE), device=str(self.device))
+        state = load_trainer_state(latest)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        self.step, self.cursor = state["step"], Cursor.from_dict(state["cursor"])
+        self.best_bleu, self.elapsed = state["best_bleu"], state["elapsed"]
+        print(f"resumed from {latest} (step {self.step})")
+
+    # ---- one optimizer step ----------------------------------------------------------------------------
+    def _batch(self, indices: list[int], micro_step: int) -> Seq2SeqBatch | LMBatch:
+        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + micro_step)
+        examples = [self.data.examples[i] for i in indices]
+        return OBJECTIVES[self.config.objective](examples, self.vocab, generator).to(self.device)
+
+    def train_step(self, batches: list[Seq2SeqBatch | LMBatch]) -> tuple[float, int]:
+        """One optimizer step over `batches` (gradient accumulation); returns (mean loss per token, tokens)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        n_tokens = sum(int((b.labels != -100).sum()) for b in batches)
+        total = 0.0
+        autocast = torch.autocast(self.device.type, torch.bfloat16) if self.config.bf16 else nullcontext()
+        for batch in batches:
+            with autocast:
+                logits = forward_logits(self.model, batch)
+            loss_sum, _ = label_smoothed_cross_entropy(logits, batch.labels, self.config.label_smoothing)
+            (loss_sum / n_tokens).backward()
+            total += loss_sum.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.config.clip_grad if self.config.clip_grad > 0 else math.inf
+        )
+        if not (math.isfinite(total) and torch.isfinite(grad_norm)):
+            raise TrainingDiverged(
+                f"step {self.step + 1}: loss {total / n_tokens} / gradient norm {grad_norm.item()} is not finite; "
+                f"the weights were not updated and the last good checkpoint is kept. Lower the learning rate, "
+                f"raise warmup, or set clip_grad"
+            )
+        self.optimizer.step()
+        self.scheduler.step()
+        return total / n_tokens, n_tokens
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        """Trains until max_steps, the time budget or Ctrl-C; returns the final evaluation."""
+        c = self.config
+        stream = self.sampler.iterate(self.cursor)
+        previous_handler = signal.signal(signal.SIGINT, self._request_stop)
+        bar = tqdm(total=c.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
+        window_tokens, window_start = 0, time.perf_counter()
+        try:
+            while self.step < c.max_steps and not self.stop_requested and not self._out_of_time():
+                started = time.perf_counter()
+                batches = []
+                for _ in range(c.grad_accum):
+                    indices, self.cursor = next(stream)
+                    batches.append(self._batch(indices, self.step * c.grad_accum + len(batches)))
+                loss, n_tokens = self.train_step(batches)
+                self.step += 1
+                self.elapsed += time.perf_counter() - started
+                window_tokens += n_tokens
+                bar.update(1)
+                if self.step % c.log_every == 0:
+                    rate = window_tokens / (time.perf_counter() - window_start)
+                    lr = self.scheduler.get_last_lr()[0]
+                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}")
+                    self._log({"step": self.step, "loss": loss, "lr": lr, "tokens_per_s": rate,
+                               "elapsed": self.elapsed})
+                    window_tokens, window_start = 0, time.perf_counter()
+                if self.step % c.eval_every == 0:
+                    self._evaluate(c.eval_sentences)
+                if self.step % c.save_every == 0:
+                    self._save()
+        finally:
+            bar.close()
+            signal.signal(signal.SIGINT, previous_handler)
+        if self.stop_requested:
+            print(f"interrupted: saving a checkpoint at step {self.step}")
+        self._save()
+        return self._final_evaluation()
+
+    def _request_stop(self, signum: int, frame: object) -> None:
+        if self.stop_requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self.stop_requested = True
+
+    def _out_of_time(self) -> bool:
+        return self.config.time_budget > 0 and self.elapsed >= self.config.time_budget
+
+    def _save(self) -> None:
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            "step": self.step,
+            "cursor": self.cursor.to_dict(),
+            "best_bleu": self.best_bleu,
+            "elapsed": self.elapsed,
+        }
+        save_checkpoint(self.run_dir, self.step, self.model, self.data.tokenizer, state)
+        prune_checkpoints(self.run_dir, self.config.keep_last)
+
+    def _evaluate(self, n_sentences: int | None) -> dict:
+        if self.config.objective != "seq2seq" or not self.data.dev:
+            return {}
+        dev = self.data.dev[:n_sentences] if n_sentences else self.data.dev
+        result = evaluate_translation(self.model, self.data.tokenizer, dev, self.config.beam_size,
+                                      self.config.length_penalty)
+        self._log({"step": self.step, "dev_bleu": result.bleu, "dev_sentences": len(dev)})
+        tqdm.write(f"step {self.step}: dev BLEU {result.bleu:.2f} on {len(dev)} sentences")
+        if result.bleu > self.best_bleu:
+            self.best_bleu = result.bleu
+            self._save()
+            record_best(self.run_dir, self.step, result.bleu)
+        return {"dev_bleu": result.bleu, "samples": result.samples(3)}
+
+    def _final_evaluation(self) -> dict:
+        final = {"step": self.step, "elapsed": self.elapsed}
+        if self.config.objective == "seq2seq" and self.data.dev:
+            final.update(self._evaluate(None))
+        return final
+
+    def _log(self, record: dict) -> None:
+        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
