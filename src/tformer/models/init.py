@@ -31,7 +31,9 @@ def _init_xavier(model: nn.Module, config: ModelConfig) -> None:
             nn.init.xavier_uniform_(module.weight)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
+    # embeddings last: a tied output projection shares their weight and must not overwrite its init
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=config.d_model**-0.5)
 
 

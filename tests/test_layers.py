@@ -1,0 +1,423 @@
+"""Layer tests: every building block against its formula written out by hand, or against `transformers`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_config
+from torch import nn
+
+from tformer.config import ATTENTION_BACKEND_NAMES, NORM_PLACEMENTS
+from tformer.layers import RESIDUALS, Attention, AttentionMask, RMSNorm, alibi_slopes, build_mask, make_ffn
+from tformer.layers import make_norm, make_positions, sinusoidal_table
+from tformer.layers.positions import RotaryPositions, apply_rotary, rope_inv_freq
+
+# ---- norms ------------------------------------------------------------------------------------------------------
+
+
+def layer_norm(x: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LN(x) = (x - mean) / sqrt(var + eps) * g + b, with the biased variance."""
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    out = (x - mean) / torch.sqrt(var + eps) * gain
+    return out if bias is None else out + bias
+
+
+def randomize(module: nn.Module) -> nn.Module:
+    """Random values in every parameter, so that a gain of 1 or a bias of 0 cannot hide a mistake."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.5 + 1.0)
+    return module
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-2])
+def test_rmsnorm_matches_formula(eps: float) -> None:
+    norm = randomize(RMSNorm(16, eps=eps))
+    x = torch.randn(3, 5, 16)
+    expected = x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps) * norm.weight
+    torch.testing.assert_close(norm(x), expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("norm_bias", [True, False])
+def test_layernorm_matches_formula(norm_bias: bool) -> None:
+    config = tiny_config(norm="layernorm", norm_bias=norm_bias, norm_eps=1e-3)
+    norm = randomize(make_norm(config))
+    x = torch.randn(3, 5, config.d_model) * 3 + 1
+    bias = norm.bias if norm_bias else None
+    torch.testing.assert_close(norm(x), layer_norm(x, norm.weight, bias, 1e-3), atol=1e-5, rtol=1e-5)
+
+
+def test_rmsnorm_is_picked_by_config() -> None:
+    norm = make_norm(tiny_config("tiny-llama", norm_eps=1e-3))
+    assert isinstance(norm, RMSNorm) and norm.eps == 1e-3
+
+
+# ---- residual connections (norm placement) -----------------------------------------------------------------------
+
+
+def sublayer() -> nn.Module:
+    """A simple non-linear F(x), so that F(LN(x)) and LN(F(x)) differ."""
+    return nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+
+
+def norm_of(module: nn.Module):
+    """Hand-written LN with `module`'s own gain and bias."""
+    return lambda h: layer_norm(h, module.weight, module.bias, module.eps)
+
+
+@pytest.mark.parametrize("placement", NORM_PLACEMENTS)
+def test_residual_matches_formula(placement: str) -> None:
+    config = tiny_config("tiny-transformer", norm_placement=placement, n_decoder_layers=18)
+    alpha = config.deepnorm_coefficients("decoder")[0] if placement == "deepnorm" else 1.0
+    residual = randomize(RESIDUALS[placement](config, alpha)).eval()
+    f = sublayer()
+    x = torch.randn(2, 7, 32)
+    if placement == "post":  # LN(x + F(x))
+        expected = norm_of(residual.norm)(x + f(x))
+    elif placement == "pre":  # x + F(LN(x))
+        expected = x + f(norm_of(residual.norm)(x))
+    elif placement == "sandwich":  # x + LN(F(LN(x))), two different norms
+        expected = x + norm_of(residual.norm_out)(f(norm_of(residual.norm_in)(x)))
+    else:  # LN(alpha * x + F(x))
+        assert alpha > 1
+        expected = norm_of(residual.norm)(alpha * x + f(x))
+    torch.testing.assert_close(residual(x, f), expected, atol=1e-5, rtol=1e-5)
+
+
+# DeepNet (Wang et al., 2022), Table 1 / Figure 2, written out for concrete depths.
+DEEPNET_CASES = [
+    # decoder-only, M = 18: alpha = (2M)^(1/4) = sqrt(6), beta = (8M)^(-1/4) = 1/sqrt(12)
+    ("decoder", dict(n_decoder_layers=18), "decoder", math.sqrt(6), 1 / math.sqrt(12)),
+    # encoder-only, N = 8: alpha = (2N)^(1/4) = 2, beta = (8N)^(-1/4) = 2^(-3/2)
+    ("encoder", dict(n_encoder_layers=8), "encoder", 2.0, 2**-1.5),
+    # encoder-decoder, N = M = 16: encoder alpha = 0.81 (N^4 M)^(1/16) = 0.81 * 2^(5/4), beta = 0.87 * 2^(-5/4)
+    ("encoder-decoder", dict(n_encoder_layers=16, n_decoder_layers=16), "encoder", 0.81 * 2**1.25, 0.87 * 2**-1.25),
+    # ... decoder N = M = 12: alpha = (3M)^(1/4) = sqrt(6), beta = (12M)^(-1/4) = 1/sqrt(12)
+    ("encoder-decoder", dict(n_encoder_layers=12, n_decoder_layers=12), "decoder", math.sqrt(6), 1 / math.sqrt(12)),
+]
+
+
+@pytest.mark.parametrize(("family", "layers", "stack", "alpha", "beta"), DEEPNET_CASES)
+def test_deepnorm_coefficients_match_deepnet(family: str, layers: dict, stack: str, alpha: float, beta: float) -> None:
+    config = tiny_config(family, norm_placement="deepnorm", **layers)
+    assert config.deepnorm_coefficients(stack) == pytest.approx((alpha, beta), rel=1e-12)
+
+
+def test_deepnorm_blocks_use_their_stacks_alpha() -> None:
+    from tformer.models.stack import TransformerStack
+
+    config = tiny_config("tiny-transformer", norm_placement="deepnorm", n_encoder_layers=3, n_decoder_layers=5)
+    tokens = nn.Embedding(config.vocab_size, config.d_model)
+    for stack in ("encoder", "decoder"):
+        built = TransformerStack(config, stack, tokens, cross_attention=stack == "decoder")
+        alphas = {r.alpha for layer in built.layers for r in (layer.norm_attn, layer.norm_cross, layer.norm_ffn) if r}
+        assert alphas == {config.deepnorm_coefficients(stack)[0]}
+
+
+# ---- feed-forward networks ----------------------------------------------------------------------------------------
+
+
+def gelu_exact(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(x)
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """x W + b with W stored (out, in) as torch does."""
+    out = x @ layer.weight.T
+    return out if layer.bias is None else out + layer.bias
+
+
+@pytest.mark.parametrize("name", ["relu", "gelu", "gelu-tanh"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_mlp_matches_formula(name: str, bias: bool) -> None:
+    config = tiny_config(ffn=name, ffn_bias=bias)
+    ffn = randomize(make_ffn(config))
+    x = torch.randn(2, 5, config.d_model)
+    hidden = linear(x, ffn.up_proj)
+    act = {"relu": lambda h: torch.maximum(torch.zeros(()), h), "gelu": gelu_exact, "gelu-tanh": gelu_tanh}[name]
+    expected = linear(act(hidden), ffn.down_proj)  # max(0, x W1 + b1) W2 + b2 for ReLU
+    torch.testing.assert_close(ffn(x), expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("name", "act"), [("swiglu", silu), ("geglu", gelu_exact)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_ffn_matches_formula(name: str, act, bias: bool) -> None:
+    config = tiny_config(ffn=name, ffn_bias=bias)
+    ffn = randomize(make_ffn(config))
+    x = torch.randn(2, 5, config.d_model)
+    expected = linear(act(linear(x, ffn.gate_proj)) * linear(x, ffn.up_proj), ffn.down_proj)  # (act(xW) * xV) W2
+    torch.testing.assert_close(ffn(x), expected, atol=1e-4, rtol=1e-5)
+
+
+# ---- sinusoidal positions -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("base", [10000.0, 500.0])
+def test_sinusoidal_table_matches_paper(base: float) -> None:
+    n, d = 12, 10
+    expected = torch.zeros(n, d)
+    for t in range(n):
+        for i in range(d // 2):
+            expected[t, 2 * i] = math.sin(t / base ** (2 * i / d))
+            expected[t, 2 * i + 1] = math.cos(t / base ** (2 * i / d))
+    torch.testing.assert_close(sinusoidal_table(n, d, base), expected, atol=1e-6, rtol=0)
+
+
+def test_sinusoidal_scheme_uses_the_configured_base() -> None:
+    config = tiny_config("tiny-transformer", sinusoidal_base=1000.0)
+    positions = torch.tensor([[0, 3, 5, 63]])
+    expected = sinusoidal_table(config.max_seq_len, config.d_model, 1000.0)[positions]
+    torch.testing.assert_close(make_positions(config).embed(positions), expected, atol=0, rtol=0)
+
+
+# ---- multi-head attention -----------------------------------------------------------------------------------------
+
+
+def multi_head_reference(attn: Attention, x: torch.Tensor, context: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Concat(head_1..head_h) W^O with head_i = softmax(Q_i K_i^T / sqrt(d_k)) V_i, one head at a time."""
+    d_k = attn.head_dim
+    heads = []
+    for i in range(attn.n_heads):
+        rows = slice(i * d_k, (i + 1) * d_k)
+        q = x @ attn.q_proj.weight[rows].T + attn.q_proj.bias[rows]  # (B, T, d_k)
+        k = context @ attn.k_proj.weight[rows].T + attn.k_proj.bias[rows]  # (B, S, d_k)
+        v = context @ attn.v_proj.weight[rows].T + attn.v_proj.bias[rows]  # (B, S, d_k)
+        scores = q @ k.transpose(1, 2) / math.sqrt(d_k)
+        if causal:
+            future = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        heads.append(torch.softmax(scores, dim=-1) @ v)
+    return torch.cat(heads, dim=-1) @ attn.out_proj.weight.T + attn.out_proj.bias
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKEND_NAMES)
+@pytest.mark.parametrize("kind", ["self", "causal", "cross"])
+def test_attention_matches_multi_head_formula(backend: str, kind: str) -> None:
+    attn = randomize(Attention(tiny_config("tiny-transformer", attention_backend=backend))).eval()
+    with torch.no_grad():  # keep scores moderate so the softmax is not one-hot
+        for proj in (attn.q_proj, attn.k_proj):
+            proj.weight.mul_(0.2)
+    x = torch.randn(2, 6, 32)
+    context = torch.randn(2, 9, 32) if kind == "cross" else x
+    mask = AttentionMask(is_causal=kind == "causal")
+    out = attn(x, mask, context=context if kind == "cross" else None)
+    expected = multi_head_reference(attn, x, context, causal=kind == "causal")
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_math_backend_keeps_softmax_weights() -> None:
+    attn = randomize(Attention(tiny_config("tiny-transformer", attention_backend="math"))).eval()
+    attn.keep_weights = True
+    x = torch.randn(1, 4, 32)
+    attn(x, AttentionMask(is_causal=True))
+    q = (x @ attn.q_proj.weight.T + attn.q_proj.bias).view(1, 4, 4, 8).transpose(1, 2)
+    k = (x @ attn.k_proj.weight.T + attn.k_proj.bias).view(1, 4, 4, 8).transpose(1, 2)
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(torch.ones(4, 4).triu(1).bool(), float("-inf"))
+    torch.testing.assert_close(attn.last_weights, scores.softmax(-1), atol=1e-6, rtol=1e-5)
+
+
+# ---- masks --------------------------------------------------------------------------------------------------------
+
+
+def test_sliding_window_mask_allows_the_last_w_positions() -> None:
+    mask = build_mask(5, None, 5, causal=True, dtype=torch.float32, device=torch.device("cpu"), window=2)
+    allowed = (mask.bias[0, 0] == 0).int()
+    expected = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.int
+    )
+    assert torch.equal(allowed, expected)
+
+
+def test_padding_mask_blocks_padded_keys_and_never_gives_nan() -> None:
+    padding = torch.tensor([[0, 1, 1], [1, 1, 0]])  # left- and right-padded rows
+    mask = build_mask(3, padding, 3, causal=True, dtype=torch.float32, device=torch.device("cpu"))
+    allowed = (mask.bias[:, 0] == 0).int()
+    expected = torch.tensor([[[0, 0, 0], [0, 1, 0], [0, 1, 1]], [[1, 0, 0], [1, 1, 0], [1, 1, 0]]], dtype=torch.int)
+    assert torch.equal(allowed, expected)
+    q = torch.randn(2, 1, 3, 4)
+    for backend in ATTENTION_BACKEND_NAMES:
+        attn = Attention(tiny_config(attention_backend=backend))
+        out, _ = attn.backend(q, q, q, mask, 0.0)
+        assert torch.isfinite(out).all()
+
+
+# ---- ALiBi --------------------------------------------------------------------------------------------------------
+
+
+def test_alibi_slopes_for_eight_heads_are_the_papers() -> None:
+    expected = [1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 1 / 128, 1 / 256]
+    assert alibi_slopes(8).tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_alibi_slopes_for_twelve_heads() -> None:
+    # the 8-head slopes, then every other slope of the 16-head sequence 2^-0.5, 2^-1, 2^-1.5, ...
+    expected = [1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 1 / 128, 1 / 256]
+    expected += [0.7071067811865476, 0.35355339059327373, 0.17677669529663687, 0.08838834764831843]
+    assert alibi_slopes(12).tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_alibi_bias_is_minus_slope_times_distance() -> None:
+    config = tiny_config(position="alibi", n_heads=4)
+    scheme = make_positions(config)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [0, 0, 1, 2, 3]])  # the second row is left-padded by one
+    bias = scheme.attention_bias(positions, positions)
+    slopes = [2**-2, 2**-4, 2**-6, 2**-8]  # 2^(-8/4 * (h + 1))
+    for b in range(2):
+        for h in range(4):
+            for i in range(5):
+                for j in range(5):
+                    expected = -slopes[h] * abs(positions[b, i].item() - positions[b, j].item())
+                    assert bias[b, h, i, j].item() == pytest.approx(expected, abs=1e-7)
+
+
+def test_alibi_bias_reaches_the_scores_with_the_causal_mask() -> None:
+    config = tiny_config(position="alibi", n_heads=4)
+    positions = torch.arange(4)[None]
+    alibi = make_positions(config).attention_bias(positions, positions)
+    mask = build_mask(4, None, 4, True, torch.float32, torch.device("cpu"), position_bias=alibi)
+    lower = torch.ones(4, 4).tril().bool()
+    assert torch.equal(mask.bias[0][:, lower], alibi[0][:, lower])
+    assert (mask.bias[0][:, ~lower] == torch.finfo(torch.float32).min).all()
+
+
+# ---- RoPE ---------------------------------------------------------------------------------------------------------
+
+ROPE_SCALINGS = [("none", 1.0), ("linear", 4.0), ("yarn", 8.0)]
+
+
+def rope_config(scaling: str, factor: float, theta: float = 10000.0, **extra):
+    return tiny_config(
+        "tiny-llama", d_model=256, n_heads=4, n_kv_heads=4, rope_theta=theta, rope_scaling=scaling,
+        rope_factor=factor, max_seq_len=16384, rope_original_max_len=4096, **extra,
+    )
+
+
+def rotate(scheme: RotaryPositions, x: torch.Tensor, position: int) -> torch.Tensor:
+    return apply_rotary(x, scheme.rotary(torch.tensor([[position]])))
+
+
+@pytest.mark.parametrize(("scaling", "factor"), ROPE_SCALINGS)
+def test_rope_score_depends_only_on_relative_offset(scaling: str, factor: float) -> None:
+    scheme = RotaryPositions(rope_config(scaling, factor))
+    q, k = torch.randn(2, 1, 1, 64, dtype=torch.float64).unbind(0)
+    q, k = q[None], k[None]  # (1, 1, 1, head_dim)
+
+    def score(m: int, n: int) -> float:
+        return (rotate(scheme, q, m) * rotate(scheme, k, n)).sum().item()
+
+    for m, n in [(0, 0), (5, 2), (2, 5), (17, 3), (100, 40)]:
+        for shift in (1, 7, 300):
+            assert score(m + shift, n + shift) == pytest.approx(score(m, n), rel=1e-4, abs=1e-4)
+    assert score(5, 2) != pytest.approx(score(5, 3), rel=1e-3)  # but it does depend on the offset
+
+
+def hf_llama_config(config, rope_type: str, **params):
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": rope_type, "rope_theta": config.rope_theta, "factor": config.rope_factor, **params}
+    return LlamaConfig(
+        hidden_size=config.d_model, num_attention_heads=config.n_heads, head_dim=config.head_dim,
+        max_position_embeddings=config.max_seq_len, rope_parameters=rope,
+    )
+
+
+@pytest.mark.parametrize("theta", [10000.0, 500000.0])
+@pytest.mark.parametrize("factor", [2.0, 8.0])
+def test_rope_linear_matches_transformers(theta: float, factor: float) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = rope_config("linear", factor, theta)
+    inv_freq, scale = rope_inv_freq(config)
+    hf_inv_freq, hf_scale = ROPE_INIT_FUNCTIONS["linear"](hf_llama_config(config, "linear"), "cpu")
+    torch.testing.assert_close(inv_freq, hf_inv_freq, atol=0, rtol=1e-6)
+    assert scale == hf_scale == 1.0
+
+
+@pytest.mark.parametrize("seq_len", [1000, 4096, 6000, 16384])
+def test_rope_dynamic_ntk_matches_transformers(seq_len: int) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = rope_config("dynamic-ntk", 4.0)
+    # transformers' dynamic scaling treats max_position_embeddings as the original context
+    hf_config = hf_llama_config(config, "dynamic")
+    hf_config.max_position_embeddings = config.rope_original_max_len
+    inv_freq, scale = rope_inv_freq(config, seq_len)
+    hf_inv_freq, hf_scale = ROPE_INIT_FUNCTIONS["dynamic"](hf_config, "cpu", seq_len=seq_len)
+    torch.testing.assert_close(inv_freq, hf_inv_freq, atol=0, rtol=1e-5)
+    assert scale == hf_scale == 1.0
+    base_inv_freq, _ = rope_inv_freq(rope_config("none", 1.0))
+    assert torch.equal(inv_freq, base_inv_freq) == (seq_len <= config.rope_original_max_len)
+
+
+@pytest.mark.parametrize(("factor", "theta", "betas"), [(4.0, 10000.0, (32.0, 1.0)), (8.0, 500000.0, (16.0, 2.0))])
+def test_rope_yarn_matches_transformers(factor: float, theta: float, betas: tuple[float, float]) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = rope_config("yarn", factor, theta, yarn_beta_fast=betas[0], yarn_beta_slow=betas[1])
+    hf_config = hf_llama_config(
+        config, "yarn", original_max_position_embeddings=config.rope_original_max_len,
+        beta_fast=betas[0], beta_slow=betas[1],
+    )
+    inv_freq, scale = rope_inv_freq(config)
+    hf_inv_freq, hf_scale = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    torch.testing.assert_close(inv_freq, hf_inv_freq, atol=0, rtol=1e-6)
+    assert scale == pytest.approx(hf_scale, rel=1e-12)
+    assert scale == pytest.approx(0.1 * math.log(factor) + 1.0)
+    plain, _ = rope_inv_freq(rope_config("none", 1.0, theta))
+    assert inv_freq[0] == plain[0] and inv_freq[-1] == pytest.approx(plain[-1] / factor)  # extrapolate / interpolate
+
+
+@pytest.mark.parametrize(("scaling", "hf_type"), [("linear", "linear"), ("dynamic-ntk", "dynamic"), ("yarn", "yarn")])
+def test_rope_cos_sin_match_transformers_rotary_embedding(scaling: str, hf_type: str) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = rope_config(scaling, 4.0)
+    extra = {"original_max_position_embeddings": config.rope_original_max_len} if hf_type == "yarn" else {}
+    hf_config = hf_llama_config(config, hf_type, **extra)
+    if hf_type == "dynamic":
+        hf_config.max_position_embeddings = config.rope_original_max_len
+    hf_rope = LlamaRotaryEmbedding(hf_config)
+    scheme = RotaryPositions(config)
+    for positions in (torch.tensor([[0, 1, 2, 100, 4000]]), torch.tensor([[3, 5000, 9000, 12000, 16383]])):
+        cos, sin = scheme.rotary(positions)
+        hf_cos, hf_sin = hf_rope(torch.zeros(1, dtype=torch.float32), positions)
+        atol = 1e-7 * positions.max().item() + 1e-6  # an fp32 angle m * f is only good to about m * 1e-7
+        torch.testing.assert_close(cos, hf_cos, atol=atol, rtol=0)
+        torch.testing.assert_close(sin, hf_sin, atol=atol, rtol=0)
+
+
+def test_apply_rotary_matches_transformers() -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    scheme = RotaryPositions(rope_config("none", 1.0))
+    positions = torch.tensor([[0, 1, 2, 3, 7], [4, 9, 10, 20, 30]])
+    cos, sin = scheme.rotary(positions)
+    q, k = torch.randn(2, 4, 5, 64), torch.randn(2, 2, 5, 64)  # (B, H, T, D), GQA-sized keys
+    hf_q, hf_k = apply_rotary_pos_emb(q, k, cos, sin)
+    torch.testing.assert_close(apply_rotary(q, (cos, sin)), hf_q, atol=0, rtol=0)
+    torch.testing.assert_close(apply_rotary(k, (cos, sin)), hf_k, atol=0, rtol=0)
+
+
+def test_rope_rotates_each_pair_by_position_times_frequency() -> None:
+    """The half-split layout: dims i and i + D/2 form a pair rotated by angle m * theta^(-2i/D)."""
+    config = rope_config("none", 1.0)
+    scheme = RotaryPositions(config)
+    x = torch.randn(1, 1, 1, 64, dtype=torch.float64)
+    m = 13
+    out = rotate(scheme, x, m)[0, 0, 0]
+    for i in range(32):
+        angle = m * 10000.0 ** (-2 * i / 64)
+        a, b = x[0, 0, 0, i].item(), x[0, 0, 0, i + 32].item()
+        assert out[i].item() == pytest.approx(a * math.cos(angle) - b * math.sin(angle), abs=1e-5)
+        assert out[i + 32].item() == pytest.approx(a * math.sin(angle) + b * math.cos(angle), abs=1e-5)

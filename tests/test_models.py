@@ -1,0 +1,521 @@
+"""Model tests: causality, padding, backend and GQA equivalences, embeddings, checkpointing, save/load, init."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import logits, make_model, tiny_config, tokens, with_config
+
+import tformer
+from tformer import ModelConfig, TransformerModel
+from tformer.config import ATTENTION_BACKEND_NAMES, NORM_PLACEMENTS, POSITION_NAMES
+from tformer.layers import sinusoidal_table
+
+# ---- causality ----------------------------------------------------------------------------------------------------
+
+
+def embedding_gradients(model: TransformerModel, tgt: torch.Tensor, src: torch.Tensor | None = None) -> torch.Tensor:
+    """g[t, s] = sum |d logits[:, t].sum() / d e_s| over the batch, e_s the token embedding output at s.
+
+    A forward hook hands back the token embedding's output, so gradients reach it whatever is added after.
+    """
+    decoder = model.decoder
+    memory = model.encode(src) if src is not None else None  # before hooking: the embedding may be shared
+    captured: list[torch.Tensor] = []
+    handle = decoder.tokens.register_forward_hook(lambda module, args, out: captured.append(out))
+    try:
+        out = model(tgt) if src is None else model.decode(tgt, memory)
+    finally:
+        handle.remove()
+    (embedded,) = captured
+    rows = []
+    for t in range(tgt.shape[1]):
+        (grad,) = torch.autograd.grad(out[:, t].sum(), embedded, retain_graph=True)
+        rows.append(grad.abs().sum(dim=(0, 2)))  # (T,)
+    return torch.stack(rows)  # (T_out, T_in)
+
+
+def causal_inputs(config: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    tgt = tokens(2, length, config.tgt_vocab_size)
+    src = tokens(2, 5, config.vocab_size, seed=2) if config.family == "encoder-decoder" else None
+    return tgt, src
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKEND_NAMES)
+@pytest.mark.parametrize("placement", NORM_PLACEMENTS)
+@pytest.mark.parametrize("position", POSITION_NAMES)
+@pytest.mark.parametrize("family", ["decoder", "encoder-decoder"])
+def test_output_never_depends_on_later_inputs(family: str, position: str, placement: str, backend: str) -> None:
+    config = tiny_config(family, position=position, norm_placement=placement, attention_backend=backend)
+    model = make_model(config)
+    grads = embedding_gradients(model, *causal_inputs(config, 7))
+    future = torch.ones_like(grads, dtype=torch.bool).triu(1)
+    assert (grads[future] == 0).all(), "an output depends on a later input"
+    assert (grads[~future] > 0).all(), "an output ignores an earlier input"
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKEND_NAMES)
+@pytest.mark.parametrize("position", POSITION_NAMES)
+@pytest.mark.parametrize("n_layers", [1, 2])
+@pytest.mark.parametrize("family", ["decoder", "encoder-decoder"])
+def test_sliding_window_limits_what_an_output_sees(family: str, n_layers: int, position: str, backend: str) -> None:
+    window = 3
+    config = tiny_config(
+        family, position=position, sliding_window=window, n_decoder_layers=n_layers, attention_backend=backend
+    )
+    model = make_model(config)
+    grads = embedding_gradients(model, *causal_inputs(config, 10))
+    t, s = torch.arange(10)[:, None], torch.arange(10)[None, :]
+    # one layer sees t-w+1..t; each further layer reaches w-1 positions further back
+    visible = (s <= t) & (s > t - n_layers * (window - 1) - 1)
+    assert (grads[~visible] == 0).all(), "an output depends on an input outside its window"
+    assert (grads[visible] > 0).all(), "an output ignores an input inside its window"
+
+
+# ---- padding ------------------------------------------------------------------------------------------------------
+
+
+def pad(rows: list[torch.Tensor], length: int, side: str, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pads 1-D token rows to `length` with random (not pad-id) tokens, so only the mask can hide them."""
+    ids = tokens(len(rows), length, vocab_size, seed=99)
+    mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for b, row in enumerate(rows):
+        span = slice(0, len(row)) if side == "right" else slice(length - len(row), length)
+        ids[b, span], mask[b, span] = row, 1
+    return ids, mask
+
+
+def real(out: torch.Tensor, b: int, n: int, side: str) -> torch.Tensor:
+    return out[b, :n] if side == "right" else out[b, out.shape[1] - n :]
+
+
+PADDING_CASES = [
+    ("tiny-gpt2", "right"),
+    ("tiny-gpt2", "left"),
+    ("tiny-llama", "right"),
+    ("tiny-llama", "left"),
+    ("tiny-bert", "right"),
+    ("tiny-transformer", "right"),
+]
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKEND_NAMES)
+@pytest.mark.parametrize("position", POSITION_NAMES)
+@pytest.mark.parametrize(("preset", "side"), PADDING_CASES)
+def test_padding_leaves_real_positions_unchanged(preset: str, side: str, position: str, backend: str) -> None:
+    model = make_model(tiny_config(preset, position=position, attention_backend=backend))
+    check_padding(model, side)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_with_sliding_window_and_gqa(side: str) -> None:
+    model = make_model(tiny_config("tiny-llama", sliding_window=3, n_kv_heads=1))
+    check_padding(model, side)
+
+
+def check_padding(model: TransformerModel, side: str) -> None:
+    config = model.config
+    tgt_rows = [tokens(1, 7, config.tgt_vocab_size, 2)[0], tokens(1, 4, config.tgt_vocab_size, 3)[0]]
+    src_rows = [tokens(1, 6, config.vocab_size, 4)[0], tokens(1, 3, config.vocab_size, 5)[0]]
+    tgt, tgt_mask = pad(tgt_rows, 9, side, config.tgt_vocab_size)
+    src, src_mask = pad(src_rows, 8, side, config.vocab_size)
+    with torch.no_grad():
+        padded = logits(model, tgt, tgt_mask, src, src_mask)
+        for b, row in enumerate(tgt_rows):
+            alone = logits(model, row[None], src=src_rows[b][None])[0]
+            torch.testing.assert_close(real(padded, b, len(row), side), alone, atol=1e-5, rtol=1e-5)
+
+
+# ---- attention backends -------------------------------------------------------------------------------------------
+
+BACKEND_CASES = {
+    "gpt2": ("tiny-gpt2", {}),
+    "transformer": ("tiny-transformer", {}),
+    "bert": ("tiny-bert", {}),
+    "alibi": ("tiny-gpt2", {"position": "alibi"}),
+    "alibi-encoder": ("tiny-bert", {"position": "alibi"}),
+    "window": ("tiny-llama", {"sliding_window": 3}),
+    "gqa": ("tiny-llama", {}),
+    "mqa": ("tiny-llama", {"n_kv_heads": 1}),
+    "gqa-cross": ("tiny-transformer", {"n_kv_heads": 2}),
+    "alibi-window-gqa": ("tiny-llama", {"position": "alibi", "sliding_window": 4}),
+}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("case", BACKEND_CASES)
+def test_sdpa_backend_equals_math_backend(case: str, padded: bool) -> None:
+    preset, overrides = BACKEND_CASES[case]
+    sdpa = make_model(tiny_config(preset, attention_backend="sdpa", **overrides)).train()
+    math_model = with_config(sdpa, attention_backend="math")
+    config = sdpa.config
+    tgt, src = tokens(2, 8, config.tgt_vocab_size), tokens(2, 6, config.vocab_size, seed=2)
+    tgt_mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3]) if padded else None
+    src_mask = torch.tensor([[1] * 6, [1] * 2 + [0] * 4]) if padded else None
+    outputs, grads = [], []
+    for model in (sdpa, math_model):
+        out = logits(model, tgt, tgt_mask, src, src_mask)
+        loss = out[tgt_mask.bool()].sum() if padded else out.sum()
+        loss.backward()
+        outputs.append(out if not padded else out[tgt_mask.bool()])
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grad, grads[1][name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+# ---- grouped-query attention --------------------------------------------------------------------------------------
+
+
+def expand_kv_heads(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The MHA weights equal to a GQA model: each KV head's rows repeated for every query head of its group."""
+    n_rep = config.n_heads // config.n_kv_heads
+    expanded = {}
+    for name, value in state.items():
+        if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
+            heads = value.reshape(config.n_kv_heads, config.head_dim, -1)  # (Hkv, D, d_model | 1)
+            value = heads.repeat_interleave(n_rep, dim=0).reshape(config.n_heads * config.head_dim, *value.shape[1:])
+        expanded[name] = value
+    return expanded
+
+
+GQA_CASES = [
+    ("tiny-llama", {"n_kv_heads": 2}),
+    ("tiny-llama", {"n_kv_heads": 1}),
+    ("tiny-llama", {"n_kv_heads": 2, "attn_bias": True, "position": "alibi", "sliding_window": 4}),
+    ("tiny-transformer", {"n_kv_heads": 2}),
+    ("tiny-transformer", {"n_kv_heads": 1}),
+    ("tiny-bert", {"n_kv_heads": 1}),
+]
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKEND_NAMES)
+@pytest.mark.parametrize(("preset", "overrides"), GQA_CASES)
+def test_gqa_equals_mha_with_repeated_kv_heads(preset: str, overrides: dict, backend: str) -> None:
+    gqa = make_model(tiny_config(preset, attention_backend=backend, **overrides))
+    config = gqa.config
+    assert config.n_kv_heads < config.n_heads
+    mha = make_model(ModelConfig.from_dict({**config.to_dict(), "n_kv_heads": config.n_heads}), seed=1)
+    mha.load_state_dict(expand_kv_heads(gqa.state_dict(), config))
+    tgt, src = tokens(2, 8, config.tgt_vocab_size), tokens(2, 6, config.vocab_size, seed=2)
+    mask = torch.tensor([[1] * 8, [0] * 2 + [1] * 6]) if config.family == "decoder" else None
+    with torch.no_grad():
+        torch.testing.assert_close(logits(gqa, tgt, mask, src), logits(mha, tgt, mask, src), atol=1e-5, rtol=1e-5)
+
+
+# ---- embeddings ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_token_embeddings_are_scaled_by_sqrt_d_model(scale: bool) -> None:
+    config = tiny_config("tiny-transformer", scale_embeddings=scale)
+    stack = make_model(config).encoder
+    ids, positions = tokens(2, 6, config.vocab_size), torch.arange(6).expand(2, 6)
+    factor = math.sqrt(config.d_model) if scale else 1.0
+    expected = stack.tokens.weight[ids] * factor + sinusoidal_table(config.max_seq_len, config.d_model)[positions]
+    torch.testing.assert_close(stack.embed(ids, positions), expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("preset", ["tiny-transformer", "tiny-gpt2", "tiny-bert"])
+def test_tied_output_projection_shares_the_token_embedding(preset: str, tie: bool) -> None:
+    model = make_model(tiny_config(preset, tie_embeddings=tie))
+    stack = model.encoder if model.config.family == "encoder" else model.decoder
+    head = model.mlm_head.lm_head if model.config.family == "encoder" else model.lm_head
+    assert (head.weight is stack.tokens.weight) == tie
+    assert (head.weight.data_ptr() == stack.tokens.weight.data_ptr()) == tie
+    if tie:  # one tensor: changing the embedding changes the head
+        with torch.no_grad():
+            stack.tokens.weight[3].add_(1.0)
+        assert torch.equal(head.weight[3], stack.tokens.weight[3])
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_encoder_decoder_shares_source_and_target_embeddings(share: bool) -> None:
+    model = make_model(tiny_config("tiny-transformer", share_embeddings=share))
+    assert (model.encoder.tokens.weight is model.decoder.tokens.weight) == share
+    names = {name for name, _ in model.named_parameters()}
+    assert ("decoder.tokens.weight" in names) != share  # a shared Parameter is registered once
+
+
+def test_xavier_init_keeps_tied_embeddings_normal_with_std_d_to_minus_half() -> None:
+    # fairseq / the 2017 paper: embeddings N(0, d^-0.5), also when the output projection is tied to them
+    config = tiny_config("tiny-transformer", vocab_size=4000, d_model=64)
+    weight = make_model(config).encoder.tokens.weight
+    assert weight.std().item() == pytest.approx(config.d_model**-0.5, rel=0.05)
+
+
+# ---- activation checkpointing -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["tiny-transformer", "tiny-llama", "tiny-bert"])
+def test_activation_checkpointing_gives_same_loss_and_gradients(preset: str, monkeypatch) -> None:
+    import tformer.models.stack as stack_module
+
+    calls = []
+    real_checkpoint = stack_module.checkpoint
+    monkeypatch.setattr(stack_module, "checkpoint", lambda *a, **k: calls.append(1) or real_checkpoint(*a, **k))
+    plain = make_model(tiny_config(preset)).train()
+    checkpointed = with_config(plain, activation_checkpointing=True)
+    config = plain.config
+    tgt, src = tokens(2, 8, config.tgt_vocab_size), tokens(2, 6, config.vocab_size, seed=2)
+    results = []
+    for model in (plain, checkpointed):
+        out = logits(model, tgt, src=src)
+        loss = F.cross_entropy(out.flatten(0, 1), tgt.roll(-1, dims=1).flatten())
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
+    n_layers = config.n_encoder_layers * config.has_encoder + config.n_decoder_layers * config.has_decoder
+    assert len(calls) == n_layers, "checkpointing was not used"
+    torch.testing.assert_close(results[0][0], results[1][0], atol=0, rtol=0)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(grad, results[1][1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+# ---- save / load --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides"),
+    [("tiny-transformer", {}), ("tiny-gpt2", {}), ("tiny-llama", {"rope_scaling": "yarn", "rope_factor": 2.0}),
+     ("tiny-bert", {"position": "alibi"})],
+)
+def test_save_then_load_gives_identical_logits(preset: str, overrides: dict, tmp_path: Path) -> None:
+    model = make_model(tiny_config(preset, **overrides))
+    model.save(tmp_path / "ckpt")
+    loaded = tformer.load(tmp_path / "ckpt").eval()
+    assert loaded.config == model.config
+    config = model.config
+    tgt, src = tokens(2, 8, config.tgt_vocab_size), tokens(2, 6, config.vocab_size, seed=2)
+    with torch.no_grad():
+        assert torch.equal(logits(loaded, tgt, src=src), logits(model, tgt, src=src))
+    if config.tie_embeddings:  # ties survive the round trip
+        stack = loaded.encoder if config.family == "encoder" else loaded.decoder
+        head = loaded.mlm_head.lm_head if config.family == "encoder" else loaded.lm_head
+        assert head.weight is stack.tokens.weight
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"d_model": 64}, "size mismatch"),  # same names, other shapes
+        ({"n_decoder_layers": 3}, "missing ['decoder.layers.2."),  # weights for fewer layers than the config
+        ({"n_decoder_layers": 1}, "unexpected ['decoder.layers.1."),  # weights for more layers
+        ({"position": "rope"}, "unexpected ['decoder.positions.embedding.weight']"),
+    ],
+)
+def test_loading_weights_that_do_not_match_the_config_raises(change: dict, message: str, tmp_path: Path) -> None:
+    model = make_model(tiny_config("tiny-gpt2"))
+    model.save(tmp_path)
+    ModelConfig.from_dict({**model.config.to_dict(), **change}).to_file(tmp_path / "config.yaml")
+    with pytest.raises(tformer.CheckpointError) as err:
+        tformer.load(tmp_path)
+    assert "model.safetensors" in str(err.value) and message in str(err.value)
+
+
+def test_loading_an_incomplete_checkpoint_names_the_missing_file(tmp_path: Path) -> None:
+    make_model(tiny_config("tiny-gpt2")).save(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(tformer.CheckpointError, match="model.safetensors is missing"):
+        tformer.load(tmp_path)
+
+
+# ---- initialization -----------------------------------------------------------------------------------------------
+
+
+def test_gpt2_init_scales_residual_projections() -> None:
+    n_layers = 8
+    config = tiny_config("tiny-gpt2", d_model=256, n_heads=4, d_ff=1024, n_decoder_layers=n_layers)
+    model = make_model(config)
+    residual_std = 0.02 / math.sqrt(2 * n_layers)
+    for layer in model.decoder.layers:
+        assert layer.self_attn.out_proj.weight.std().item() == pytest.approx(residual_std, rel=0.03)
+        assert layer.ffn.down_proj.weight.std().item() == pytest.approx(residual_std, rel=0.03)
+        assert layer.self_attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.03)
+        assert layer.ffn.up_proj.weight.std().item() == pytest.approx(0.02, rel=0.03)
+    assert model.decoder.tokens.weight.std().item() == pytest.approx(0.02, rel=0.03)
+
+
+DEEPNORM_BETAS = {  # DeepNet's beta for 4-layer stacks, written out per family and stack
+    "decoder": {"decoder": (8 * 4) ** -0.25},
+    "encoder": {"encoder": (8 * 4) ** -0.25},
+    "encoder-decoder": {"encoder": 0.87 * (4**4 * 4) ** (-1 / 16), "decoder": (12 * 4) ** -0.25},
+}
+
+
+@pytest.mark.parametrize("family", DEEPNORM_BETAS)
+def test_deepnorm_init_scales_value_and_output_projections_by_beta(family: str) -> None:
+    config = tiny_config(
+        family, d_model=256, n_heads=4, d_ff=1024, n_encoder_layers=4, n_decoder_layers=4, norm_placement="deepnorm"
+    )
+    model = make_model(config)
+    square_std = math.sqrt(2 / (256 + 256))  # Xavier-normal std for a 256 x 256 weight
+    ffn_std = math.sqrt(2 / (256 + 1024))
+    for stack_name, beta in DEEPNORM_BETAS[family].items():
+        assert config.deepnorm_coefficients(stack_name)[1] == pytest.approx(beta, rel=1e-12)
+        for layer in getattr(model, stack_name).layers:
+            for attn in filter(None, (layer.self_attn, layer.cross_attn)):
+                assert attn.v_proj.weight.std().item() == pytest.approx(beta * square_std, rel=0.03)
+                assert attn.out_proj.weight.std().item() == pytest.approx(beta * square_std, rel=0.03)
+                assert attn.q_proj.weight.std().item() == pytest.approx(square_std, rel=0.03)
+                assert attn.k_proj.weight.std().item() == pytest.approx(square_std, rel=0.03)
+            assert layer.ffn.up_proj.weight.std().item() == pytest.approx(beta * ffn_std, rel=0.03)
+            assert layer.ffn.down_proj.weight.std().item() == pytest.approx(beta * ffn_std, rel=0.03)
+
+
+# ---- parity with transformers -------------------------------------------------------------------------------------
+
+
+def randomize_norms(model: TransformerModel) -> TransformerModel:
+    """Norm gains and biases away from 1 and 0 (and a random MLM bias), so a misplaced norm shows up."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("lm_head.bias"):
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if name.endswith("weight") else 0.0))
+    return model
+
+
+def llama_state(model: TransformerModel) -> dict[str, torch.Tensor]:
+    """tformer names -> LlamaForCausalLM / MistralForCausalLM names."""
+    renames = {
+        "decoder.tokens.": "model.embed_tokens.", "decoder.final_norm.": "model.norm.",
+        "decoder.layers.": "model.layers.",
+        ".out_proj.": ".o_proj.", ".ffn.": ".mlp.", ".norm_attn.norm.": ".input_layernorm.",
+        ".norm_ffn.norm.": ".post_attention_layernorm.",
+    }
+    state = {}
+    for name, value in model.state_dict().items():
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        state[name] = value
+    return state
+
+
+def gpt2_state(model: TransformerModel) -> dict[str, torch.Tensor]:
+    """tformer names -> GPT2LMHeadModel names; GPT-2's Conv1D stores weights (in, out) and fuses q, k, v."""
+    ours = model.state_dict()
+    state = {
+        "transformer.wte.weight": ours["decoder.tokens.weight"], "lm_head.weight": ours["decoder.tokens.weight"],
+        "transformer.wpe.weight": ours["decoder.positions.embedding.weight"],
+        "transformer.ln_f.weight": ours["decoder.final_norm.weight"],
+        "transformer.ln_f.bias": ours["decoder.final_norm.bias"],
+    }
+    for i in range(model.config.n_decoder_layers):
+        p, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
+        qkv = [f"{p}self_attn.{x}_proj" for x in "qkv"]
+        state[h + "attn.c_attn.weight"] = torch.cat([ours[n + ".weight"] for n in qkv]).T
+        state[h + "attn.c_attn.bias"] = torch.cat([ours[n + ".bias"] for n in qkv])
+        for theirs, mine in [("attn.c_proj", "self_attn.out_proj"), ("mlp.c_fc", "ffn.up_proj"),
+                             ("mlp.c_proj", "ffn.down_proj"), ("ln_1", "norm_attn.norm"), ("ln_2", "norm_ffn.norm")]:
+            transpose = not theirs.startswith("ln")
+            state[h + theirs + ".weight"] = ours[p + mine + ".weight"].T if transpose else ours[p + mine + ".weight"]
+            state[h + theirs + ".bias"] = ours[p + mine + ".bias"]
+    return state
+
+
+def bert_state(model: TransformerModel) -> dict[str, torch.Tensor]:
+    """tformer names -> BertForMaskedLM names."""
+    renames = {
+        "encoder.tokens.": "bert.embeddings.word_embeddings.",
+        "encoder.positions.embedding.": "bert.embeddings.position_embeddings.",
+        "encoder.token_types.": "bert.embeddings.token_type_embeddings.",
+        "encoder.embed_norm.": "bert.embeddings.LayerNorm.", "encoder.layers.": "bert.encoder.layer.",
+        ".self_attn.q_proj.": ".attention.self.query.", ".self_attn.k_proj.": ".attention.self.key.",
+        ".self_attn.v_proj.": ".attention.self.value.", ".self_attn.out_proj.": ".attention.output.dense.",
+        ".norm_attn.norm.": ".attention.output.LayerNorm.", ".ffn.up_proj.": ".intermediate.dense.",
+        ".ffn.down_proj.": ".output.dense.", ".norm_ffn.norm.": ".output.LayerNorm.",
+        "mlm_head.dense.": "cls.predictions.transform.dense.",
+        "mlm_head.norm.": "cls.predictions.transform.LayerNorm.",
+        "mlm_head.lm_head.weight": "cls.predictions.decoder.weight", "mlm_head.lm_head.bias": "cls.predictions.bias",
+    }
+    state = {}
+    for name, value in model.state_dict().items():
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        state[name] = value
+    state["cls.predictions.decoder.bias"] = state["cls.predictions.bias"]
+    return state
+
+
+LLAMA_ROPE = {
+    "none": ({}, {"rope_type": "default"}),
+    "linear": ({"rope_scaling": "linear", "rope_factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+    "yarn": (
+        {"rope_scaling": "yarn", "rope_factor": 4.0, "rope_original_max_len": 16},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    ),
+}
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("rope", LLAMA_ROPE)
+def test_llama_matches_transformers(rope: str, window: int | None) -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    ours_rope, hf_rope = LLAMA_ROPE[rope]
+    config = tiny_config("tiny-llama", rope_theta=500.0, sliding_window=window, **ours_rope)
+    model = randomize_norms(make_model(config))
+    hf_config = MistralConfig(  # Mistral is LLaMA plus an optional sliding window
+        vocab_size=97, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=config.norm_eps, sliding_window=window,
+        rope_parameters={"rope_theta": 500.0, **hf_rope}, tie_word_embeddings=False, attn_implementation="eager",
+    )
+    hf = MistralForCausalLM(hf_config).eval()
+    hf.load_state_dict(llama_state(model), strict=True)
+    ids = tokens(2, 12, 97)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt2_matches_transformers() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = randomize_norms(make_model(tiny_config("tiny-gpt2")))
+    hf_config = GPT2Config(
+        vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4, activation_function="gelu_new",
+        layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1,
+        attn_implementation="eager",
+    )
+    hf = GPT2LMHeadModel(hf_config).eval()
+    hf.load_state_dict(gpt2_state(model), strict=True)
+    ids = tokens(2, 12, 97)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_bert_matches_transformers() -> None:
+    from transformers import BertConfig, BertForMaskedLM
+
+    model = randomize_norms(make_model(tiny_config("tiny-bert")))
+    hf_config = BertConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        hidden_act="gelu", max_position_embeddings=64, type_vocab_size=2, layer_norm_eps=1e-12,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager",
+    )
+    hf = BertForMaskedLM(hf_config).eval()
+    hf.load_state_dict(bert_state(model), strict=True)
+    ids, types = tokens(2, 10, 97), torch.tensor([[0] * 4 + [1] * 6, [0] * 7 + [1] * 3])
+    mask = torch.tensor([[1] * 10, [1] * 7 + [0] * 3])  # right padding
+    with torch.no_grad():
+        ours, theirs = model(ids, mask, types), hf(ids, attention_mask=mask, token_type_ids=types).logits
+    kept = mask.bool()  # transformers leaves padded positions unspecified
+    torch.testing.assert_close(ours[kept], theirs[kept], atol=1e-5, rtol=1e-5)
+
+
+def test_alibi_bias_reaches_every_layer() -> None:
+    model = make_model(tiny_config("tiny-gpt2", position="alibi"))
+    masks = []
+    for layer in model.decoder.layers:
+        layer.register_forward_pre_hook(lambda module, args: masks.append(args[1]))
+    with torch.no_grad():
+        model(tokens(1, 5, 97))
+    slopes = torch.tensor([2**-2, 2**-4, 2**-6, 2**-8])
+    i, j = torch.arange(5)[:, None], torch.arange(5)[None, :]
+    expected = (-slopes[:, None, None] * (i - j).abs()).masked_fill(j > i, torch.finfo(torch.float32).min)
+    assert len(masks) == 2
+    for mask in masks:
+        torch.testing.assert_close(mask.bias[0], expected, atol=1e-7, rtol=0)
