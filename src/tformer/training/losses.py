@@ -21,12 +21,11 @@ def label_smoothed_cross_entropy(
     logits = logits.reshape(-1, logits.shape[-1]).float()  # (N, V)
     target = target.reshape(-1)
     keep = target != ignore_index
-    log_probs = F.log_softmax(logits[keep], dim=-1)  # (n, V)
-    true = target[keep]
-    nll = -log_probs.gather(-1, true[:, None]).squeeze(-1)  # -log p_true
+    log_probs = F.log_softmax(logits, dim=-1)  # no boolean row indexing: it would copy the (N, V) logits
+    nll = -log_probs.gather(-1, target.clamp(min=0)[:, None]).squeeze(-1)  # -log p_true
     if epsilon == 0.0:
-        return nll.sum(), keep.sum()
-    others = -log_probs.sum(-1) - nll  # sum of -log p over the n - 1 other classes
-    n_classes = logits.shape[-1]
-    loss = (1.0 - epsilon) * nll + epsilon / (n_classes - 1) * others
-    return loss.sum(), keep.sum()
+        loss = nll
+    else:
+        others = -log_probs.sum(-1) - nll  # sum of -log p over the n - 1 other classes
+        loss = (1.0 - epsilon) * nll + epsilon / (logits.shape[-1] - 1) * others
+    return torch.where(keep, loss, 0.0).sum(), keep.sum()
