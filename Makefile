@@ -16,7 +16,10 @@ $(BIN)/.installed: pyproject.toml
 setup: $(BIN)/.installed
 
 main: setup
-	$(BIN)/tformer info transformer-base
+	$(BIN)/tformer train configs/en-de-10min.yaml
+	$(BIN)/tformer translate --model runs/en-de-10min \
+		"In the beginning God created the heavens and the earth." \
+		"The light shines in the darkness."
 
 test: setup
 	$(BIN)/python -m pytest

@@ -90,6 +90,28 @@ def average(checkpoints: list[str], *, out: str) -> None:
     print(f"averaged {len(checkpoints)} checkpoints into {out}")
 
 
+def viz(kind: str, target: str, *, out: str, length: int = 100) -> None:
+    """Draw a figure to a PNG: training curves of a run, or a model's positional encodings.
+
+    kind: 'curves' (target: a training run directory) or 'positions' (target: a preset or config file)
+    target: the run directory, preset name or config file
+    out: PNG file to write
+    length: number of positions to draw, for 'positions'
+    """
+    from tformer import viz as plots
+
+    if kind == "curves":
+        plots.plot_training_curves(Path(target) / "metrics.jsonl", out)
+    elif kind == "positions":
+        from tformer.layers import sinusoidal_table
+
+        config = ModelConfig.from_file(target) if Path(target).is_file() else ModelConfig.from_preset(target)
+        plots.plot_positional_encoding(sinusoidal_table(length, config.d_model, config.sinusoidal_base), out)
+    else:
+        raise ConfigError(f"unknown figure '{kind}'; choose 'curves' or 'positions'")
+    print(f"wrote {out}")
+
+
 def presets() -> None:
     """List the named model configurations."""
     from tformer.presets import PRESETS
@@ -104,6 +126,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "translate": translate,
     "average": average,
     "info": info,
+    "viz": viz,
     "presets": presets,
 }
 

@@ -36,6 +36,7 @@ from tformer.training.corpus import PreparedData, prepare_data
 from tformer.training.evaluate import evaluate_translation
 from tformer.training.losses import label_smoothed_cross_entropy
 from tformer.training.optim import adamw_cosine, paper_adam
+from tformer.viz import plot_training_curves
 
 
 class TrainingDiverged(RuntimeError):
@@ -205,7 +206,9 @@ class Trainer:
     def _final_evaluation(self) -> dict:
         final = {"step": self.step, "elapsed": self.elapsed}
         if self.config.objective == "seq2seq" and self.data.dev:
-            final.update(self._evaluate(None))
+            final.update(self._evaluate(None), dev_sentences=len(self.data.dev))
+        if (self.run_dir / "metrics.jsonl").is_file():
+            final["curves"] = str(plot_training_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png"))
         return final
 
     def _log(self, record: dict) -> None:
