@@ -97,8 +97,10 @@ def _select_beams(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Moves hypotheses ending in </s> to `finished`; keeps the best K others as the next beams.
 
-    A sentence is done once it has K finished hypotheses and the best of them beats anything a live beam
-    can still reach: log-probabilities only fall, and lp() is at most lp(max_len).
+    As in fairseq, a </s> ranked below the K best candidates is not one of the beam's hypotheses and is
+    dropped (so a one-wide beam is greedy search). A sentence is done once it has K finished hypotheses and
+    the best of them beats anything a live beam can still reach: log-probabilities only fall, and lp() is
+    at most lp(max_len + 1), which a hypothesis stopped at max_len tokens gets.
     """
     B, K = top_scores.shape[0], top_scores.shape[1] // 2
     last_step = prefixes.shape[-1] == max_len
@@ -109,9 +111,12 @@ def _select_beams(
         if done[b]:
             continue
         kept = 0
-        for score, parent, token in zip(top_scores[b].tolist(), parents[b].tolist(), next_tokens[b].tolist()):
+        ranked = zip(top_scores[b].tolist(), parents[b].tolist(), next_tokens[b].tolist())
+        for rank, (score, parent, token) in enumerate(ranked):
             if score == float("-inf"):
                 break
+            if token == eos_id and rank >= K and not last_step:
+                continue
             hypothesis = prefixes[b, parent, 1:].tolist()  # without <s>
             if token == eos_id or last_step:
                 if token != eos_id:
@@ -120,7 +125,7 @@ def _select_beams(
             elif kept < K:
                 new_scores[b, kept], new_parents[b, kept], new_tokens[b, kept] = score, parent, token
                 kept += 1
-        reachable = new_scores[b, 0].item() / length_penalty(max_len, alpha)
+        reachable = new_scores[b, 0].item() / length_penalty(max_len + 1, alpha)
         best_done = max((score for score, _ in finished[b]), default=float("-inf"))
         if kept == 0 or (len(finished[b]) >= K and best_done >= reachable):
             done[b] = True

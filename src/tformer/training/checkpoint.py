@@ -101,9 +101,13 @@ def average_checkpoints(paths: list[Path], out: Path) -> Path:
     if any(m.config != models[0].config for m in models):
         raise CheckpointError(f"cannot average checkpoints with different configs: {', '.join(map(str, paths))}")
     averaged = models[0]
+    # every mean is taken before any is written: tied weights are one tensor under several names, and
+    # writing into models[0] while averaging would feed an already averaged value into the next name
+    states = [m.state_dict() for m in models]
+    means = {name: torch.stack([s[name].float() for s in states]).mean(0) for name in states[0]}
     with torch.no_grad():
         for name, param in averaged.state_dict(keep_vars=True).items():
-            param.copy_(torch.stack([m.state_dict()[name].float() for m in models]).mean(0).to(param.dtype))
+            param.copy_(means[name].to(param.dtype))
     averaged.save(out)
     tokenizer = paths[-1] / "tokenizer.json"
     if tokenizer.is_file():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tformer.config import ConfigBase, ConfigError
@@ -62,5 +63,5 @@ class TrainConfig(ConfigBase):
             raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.max_tokens < self.max_len + 1:
             raise ConfigError(f"max_tokens ({self.max_tokens}) must hold one example of max_len ({self.max_len}) + 1")
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be positive, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"lr must be a positive finite number, got {self.lr}")

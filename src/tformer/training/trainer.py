@@ -70,6 +70,7 @@ class Trainer:
         self.vocab = Vocab.of(tokenizer)
         self.step, self.cursor, self.best_bleu, self.elapsed = 0, Cursor(), -1.0, 0.0
         self.stop_requested = False
+        self.saved_step = -1
         self._resume()
 
     # ---- setup -----------------------------------------------------------------------------------------
@@ -95,6 +96,7 @@ class Trainer:
         torch.set_rng_state(state["rng"])
         self.step, self.cursor = state["step"], Cursor.from_dict(state["cursor"])
         self.best_bleu, self.elapsed = state["best_bleu"], state["elapsed"]
+        self.saved_step = self.step
         print(f"resumed from {latest} (step {self.step})")
 
     # ---- one optimizer step ----------------------------------------------------------------------------
@@ -177,6 +179,8 @@ class Trainer:
         return self.config.time_budget > 0 and self.elapsed >= self.config.time_budget
 
     def _save(self) -> None:
+        if self.saved_step == self.step:  # e.g. a new best on a save step: one write is enough
+            return
         state = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -187,6 +191,7 @@ class Trainer:
             "elapsed": self.elapsed,
         }
         save_checkpoint(self.run_dir, self.step, self.model, self.data.tokenizer, state)
+        self.saved_step = self.step
         prune_checkpoints(self.run_dir, self.config.keep_last)
 
     def _evaluate(self, n_sentences: int | None) -> dict:
@@ -199,8 +204,8 @@ class Trainer:
         tqdm.write(f"step {self.step}: dev BLEU {result.bleu:.2f} on {len(dev)} sentences")
         if result.bleu > self.best_bleu:
             self.best_bleu = result.bleu
+            record_best(self.run_dir, self.step, result.bleu)  # before the save: the saved state then agrees
             self._save()
-            record_best(self.run_dir, self.step, result.bleu)
         return {"dev_bleu": result.bleu, "samples": result.samples(3)}
 
     def _final_evaluation(self) -> dict:
