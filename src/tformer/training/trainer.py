@@ -138,7 +138,7 @@ class Trainer:
         stream = self.sampler.iterate(self.cursor)
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
         bar = tqdm(total=c.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
-        window_tokens, window_start = 0, time.perf_counter()
+        window_tokens, window_loss, window_start = 0, 0.0, time.perf_counter()
         try:
             while self.step < c.max_steps and not self.stop_requested and not self._out_of_time():
                 started = time.perf_counter()
@@ -150,14 +150,15 @@ class Trainer:
                 self.step += 1
                 self.elapsed += time.perf_counter() - started
                 window_tokens += n_tokens
+                window_loss += loss * n_tokens
                 bar.update(1)
                 if self.step % c.log_every == 0:
                     rate = window_tokens / (time.perf_counter() - window_start)
-                    lr = self.scheduler.get_last_lr()[0]
-                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}")
-                    self._log({"step": self.step, "loss": loss, "lr": lr, "tokens_per_s": rate,
+                    lr, mean_loss = self.scheduler.get_last_lr()[0], window_loss / window_tokens
+                    bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}")
+                    self._log({"step": self.step, "loss": mean_loss, "lr": lr, "tokens_per_s": rate,
                                "elapsed": self.elapsed})
-                    window_tokens, window_start = 0, time.perf_counter()
+                    window_tokens, window_loss, window_start = 0, 0.0, time.perf_counter()
                 if self.step % c.eval_every == 0:
                     self._evaluate(c.eval_sentences)
                 if self.step % c.save_every == 0:
