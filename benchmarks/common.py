@@ -48,6 +48,54 @@ def load_report(label: str) -> str:
     return f"load {label}: {one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min)  [uptime: {uptime()}]"
 
 
+def busy_processes(interval: float = 0.5, min_share: float = 0.1) -> str:
+    """Other processes that used more than `min_share` of a CPU over `interval` seconds (Linux /proc).
+
+    The load average cannot tell the benchmark's own threads from a competitor; this names the competitors.
+    """
+    def snapshot() -> dict[int, tuple[str, int]]:
+        ticks = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            ticks[int(entry)] = (name, int(fields[11]) + int(fields[12]))  # utime + stime
+        return ticks
+
+    if not os.path.isdir("/proc"):
+        return "unknown (no /proc)"
+    hz = os.sysconf("SC_CLK_TCK")
+    first = snapshot()
+    time.sleep(interval)
+    second = snapshot()
+    busy = []
+    for pid, (name, t) in second.items():
+        share = (t - first.get(pid, (name, t))[1]) / hz / interval
+        if share >= min_share:
+            busy.append((share, pid, name))
+    busy.sort(reverse=True)
+    return ", ".join(f"{name} (pid {pid}) {share:.0%} of a CPU" for share, pid, name in busy) or "none"
+
+
+def wait_for_idle(timeout: float, min_share: float = 0.5) -> tuple[float, str]:
+    """Polls until no other process uses `min_share` of a CPU, or `timeout` seconds pass.
+
+    Returns (seconds waited, the last busy_processes() answer: 'none' when the machine went quiet).
+    """
+    start = time.perf_counter()
+    busy = busy_processes(1.0, min_share)
+    while busy != "none" and time.perf_counter() - start < timeout:
+        time.sleep(2.0)
+        busy = busy_processes(1.0, min_share)
+    return time.perf_counter() - start, busy
+
+
 def machine_info() -> str:
     """CPU model, core count, torch version and thread count, for the header of a report."""
     cpu = platform.processor() or "unknown CPU"
@@ -65,30 +113,61 @@ def machine_info() -> str:
     )
 
 
+def matmul_probe(dtype: torch.dtype = torch.float32, n: int = 2048, count: int = 2) -> tuple[Callable[[], None], int]:
+    """A callable doing `count` (n x n) @ (n x n) products in `dtype`, and the FLOPs one call does.
+
+    Put it among the steps of `alternating_timing` to measure the matmul peak under the same conditions
+    (load from other processes, clocks) as the steps themselves.
+    """
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(dtype)
+    b = torch.randn(n, n, generator=gen).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+
+    def probe() -> None:
+        for _ in range(count):
+            torch.matmul(a, b, out=out)
+
+    return probe, 2 * n**3 * count
+
+
 def matmul_peak(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 10, warmup: int = 3) -> float:
     """Achievable matmul FLOP/s: the median over `repeats` timed (n x n) @ (n x n) products in `dtype`.
 
     This is the practical ceiling a Transformer's matmuls can reach on this machine and build of torch,
     not the vendor's theoretical peak.
     """
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(dtype)
-    b = torch.randn(n, n, generator=gen).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
+    probe, flops = matmul_probe(dtype, n, count=1)
     for _ in range(warmup):
-        torch.matmul(a, b, out=out)
+        probe()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.matmul(a, b, out=out)
+        probe()
         times.append(time.perf_counter() - start)
-    return 2 * n**3 / median(times)
+    return flops / median(times)
+
+
+class Timings(dict):
+    """{name: [wall seconds per timed round]}, plus `cpu`: {name: [this process's CPU seconds per round]}."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        super().__init__({name: [] for name in names})
+        self.cpu: dict[str, list[float]] = {name: [] for name in names}
+
+    def cpu_share(self, name: str, threads: int) -> float:
+        """Median of CPU time / (wall time x threads): near 1.0 when the step had every core to itself.
+
+        Clearly below 1.0 means other processes took cores (or the step has serial stretches); compare
+        the two sides of a benchmark, which run under the same conditions.
+        """
+        return median([c / (w * threads) for c, w in zip(self.cpu[name], self[name], strict=True)])
 
 
 def alternating_timing(
     steps: dict[str, Callable[[], object]], rounds: int, warmup: int = 1, swap_order: bool = True
-) -> dict[str, list[float]]:
-    """Times each callable once per round, interleaved, and returns {name: [seconds per timed round]}.
+) -> Timings:
+    """Times each callable once per round, interleaved, and returns their Timings.
 
     `warmup` untimed rounds run first. With `swap_order`, every other round runs the callables in reverse
     order, so neither side always runs right after the other (caches, allocator, CPU clocks).
@@ -97,13 +176,14 @@ def alternating_timing(
     for _ in range(warmup):
         for name in names:
             steps[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times = Timings(names)
     for i in range(rounds):
         order = names[::-1] if swap_order and i % 2 else names
         for name in order:
-            start = time.perf_counter()
+            cpu, start = time.process_time(), time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - start)
+            times.cpu[name].append(time.process_time() - cpu)
     return times
 
 

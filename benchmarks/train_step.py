@@ -10,7 +10,7 @@ after untimed warmup rounds; the table reports medians and the load average is r
 Throughput is also given as a share of the measured matmul peak of this machine (see --help for the FLOP
 count used).
 
-    .venv/bin/python benchmarks/train_step.py                     # defaults: about 5-8 minutes on 2 cores
+    .venv/bin/python benchmarks/train_step.py                     # defaults: ~3.5 min on 2 quiet cores
     .venv/bin/python benchmarks/train_step.py --steps 4 --warmup 1 --dtypes fp32
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,16 +28,30 @@ import torch.nn.functional as F
 from torch import nn
 
 try:  # run as a script (benchmarks/ on sys.path) or as `python -m benchmarks.train_step`
-    from common import alternating_timing, fmt_rate, load_report, machine_info, matmul_peak, median, set_threads
-except ImportError:
-    from benchmarks.common import (
+    from common import (
         alternating_timing,
+        busy_processes,
         fmt_rate,
         load_report,
         machine_info,
         matmul_peak,
+        matmul_probe,
         median,
         set_threads,
+        wait_for_idle,
+    )
+except ImportError:
+    from benchmarks.common import (
+        alternating_timing,
+        busy_processes,
+        fmt_rate,
+        load_report,
+        machine_info,
+        matmul_peak,
+        matmul_probe,
+        median,
+        set_threads,
+        wait_for_idle,
     )
 
 from tformer import ModelConfig, build_model
@@ -61,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="AdamW implementation for both models; auto: fused if it works here, else foreach")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: os.cpu_count())")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                   help="before timing, wait up to this long for other busy processes to finish (default 0)")
     p.add_argument("--output", type=Path, default=None, help="also write the report to this file")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -124,6 +141,12 @@ def train_flops_per_token(model: nn.Module, n_layers: int, d_model: int, seq: in
     """(matmul weight count, training FLOPs per token) for tformer's model, per FLOP_NOTE."""
     matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     forward = 2 * matmul_weights + 4 * n_layers * seq * d_model
+    try:  # the same convention as `tformer info`; check that the two counts agree where it exists
+        from tformer.info import model_info
+    except ImportError:
+        return matmul_weights, 3 * forward
+    expected = model_info(model.config, context=seq).training_flops_per_token
+    assert expected == 3 * forward, f"FLOP count {3 * forward} disagrees with tformer.info's {expected}"
     return matmul_weights, 3 * forward
 
 
@@ -192,15 +215,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     threads = set_threads(args.threads)
     out = Report(args.output)
-    out(f"train_step: tformer GPT-2 small vs HF GPT2LMHeadModel (sdpa), one training step, CPU")
+    out("train_step: tformer GPT-2 small vs HF GPT2LMHeadModel (sdpa), one training step, CPU")
     out(f"machine: {machine_info()}")
     out(f"command: {' '.join(sys.argv)}")
+    out(f"tformer source: {source_state()}")
     out(load_report("before"))
+    out(f"other busy processes before: {busy_processes()}")
+    if args.wait_idle > 0:
+        waited, busy = wait_for_idle(args.wait_idle)
+        out(f"waited {waited:.0f}s for other processes to go quiet (--wait-idle {args.wait_idle:g}); still busy: {busy}")
 
-    peaks = {}
     for name in args.dtypes:
-        peaks[name] = matmul_peak(PEAK_DTYPES[name])
-        out(f"matmul peak {name}: {fmt_rate(peaks[name])} (2048x2048 @ 2048x2048, median of 10)")
+        out(f"matmul peak {name} before: {fmt_rate(matmul_peak(PEAK_DTYPES[name]))} "
+            f"(2048x2048 @ 2048x2048, median of 10)")
 
     torch.manual_seed(args.seed)
     tf, hf = build_tformer(args.seq), build_hf()
@@ -230,29 +257,37 @@ def main(argv: list[str] | None = None) -> int:
     out(f"batch {B} x {T} = {tokens} tokens/step; AdamW(lr=1e-4, {impl}) for both ({impl_note})")
     out(f"step = forward + cross-entropy (shifted labels, same code both sides) + backward + AdamW step "
         f"+ zero_grad(set_to_none=True)")
-    out(f"FLOPs: {FLOP_NOTE}; matmul weights {weights:,} -> {flops_tok / 1e6:.1f} MFLOP/token at T={T}")
+    out(f"FLOPs: {FLOP_NOTE} (as `tformer info`); matmul weights {weights:,} -> {flops_tok / 1e6:.1f} "
+        f"MFLOP/token at T={T}")
     out(f"timing: {args.warmup} warmup + {args.steps} timed steps per model and dtype, tformer and HF "
-        f"alternating step by step (order swapped every other round); medians")
+        f"alternating step by step (order swapped every other round); medians. Each round also times two "
+        f"2048^3 matmuls: their median is the peak for '% of peak', measured under the same load as the steps")
     out()
 
-    results = []
+    results, peaks = [], {}
     for name in args.dtypes:
         opt_tf, opt_hf = make_adamw(tf, impl), make_adamw(hf, impl)
         losses: dict[str, list[float]] = {"tformer": [], "HF": []}
+        probe, probe_flops = matmul_probe(PEAK_DTYPES[name])
         steps = {
             "tformer": make_step(tf_forward, tf, opt_tf, ids, labels, DTYPES[name], losses["tformer"]),
             "HF": make_step(hf_forward, hf, opt_hf, ids, labels, DTYPES[name], losses["HF"]),
+            "matmul": probe,  # the peak, measured in the same rounds as the steps
         }
         times = alternating_timing(steps, rounds=args.steps, warmup=args.warmup)
         load = load_report(f"after {name}")
+        peaks[name] = probe_flops / median(times.pop("matmul"))
         med = {k: median(v) for k, v in times.items()}
         tps = {k: tokens / v for k, v in med.items()}
         pct = {k: 100 * tps[k] * flops_tok / peaks[name] for k in tps}
         results.append((name, med, tps, pct, times, losses))
         out(f"{name}: step seconds tformer {_spread(times['tformer'])}, HF {_spread(times['HF'])}; "
             f"last loss tformer {losses['tformer'][-1]:.4f}, HF {losses['HF'][-1]:.4f}")
+        out(f"{name}: CPU share (process CPU time / (wall x {threads} threads), median) tformer "
+            f"{times.cpu_share('tformer', threads):.0%}, HF {times.cpu_share('HF', threads):.0%}")
         out(load)
-        del opt_tf, opt_hf
+        out(f"other busy processes after {name}: {busy_processes()}")
+        del steps, opt_tf, opt_hf  # free the optimizer state before the next dtype
 
     out()
     header = (f"{'dtype':<6} {'tformer tok/s':>13} {'HF tok/s':>9} {'tformer/HF':>10} "
@@ -263,12 +298,28 @@ def main(argv: list[str] | None = None) -> int:
         label = name if name == "fp32" else f"{name}*"
         out(f"{label:<6} {tps['tformer']:>13.1f} {tps['HF']:>9.1f} {tps['tformer'] / tps['HF']:>10.3f} "
             f"{pct['tformer']:>12.1f}% {pct['HF']:>8.1f}% {med['tformer']:>14.3f} {med['HF']:>9.3f}  "
-            f"{name} matmul {fmt_rate(peaks[name])}")
+            f"{name} matmul {fmt_rate(peaks[name])} (in-run)")
     if "bf16" in args.dtypes:
         out("* bf16 = torch.autocast('cpu', dtype=torch.bfloat16) around forward and loss; fp32 weights and AdamW")
     out(load_report("at end"))
+    out("(the load average counts this benchmark's own threads too: about the thread count when nothing else runs)")
     out.save()
     return 0
+
+
+def source_state() -> str:
+    """The git commit of the tformer checkout and whether src/ has uncommitted changes (results depend on it)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        dirty = [line[3:] for line in git("status", "--porcelain", "--", "src").splitlines() if line.strip()]
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return f"commit {commit}" + (f", src/ modified: {', '.join(dirty)}" if dirty else ", src/ clean")
 
 
 def _spread(times: list[float]) -> str:

@@ -138,7 +138,7 @@ class Trainer:
         stream = self.sampler.iterate(self.cursor)
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
         bar = tqdm(total=c.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
-        window_tokens, window_loss, window_start = 0, 0.0, time.perf_counter()
+        window_tokens, window_loss, window_start = 0, 0.0, self.elapsed  # training time only, no eval
         try:
             while self.step < c.max_steps and not self.stop_requested and not self._out_of_time():
                 started = time.perf_counter()
@@ -153,12 +153,12 @@ class Trainer:
                 window_loss += loss * n_tokens
                 bar.update(1)
                 if self.step % c.log_every == 0:
-                    rate = window_tokens / (time.perf_counter() - window_start)
+                    rate = window_tokens / max(self.elapsed - window_start, 1e-9)
                     lr, mean_loss = self.scheduler.get_last_lr()[0], window_loss / window_tokens
                     bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}")
                     self._log({"step": self.step, "loss": mean_loss, "lr": lr, "tokens_per_s": rate,
                                "elapsed": self.elapsed})
-                    window_tokens, window_loss, window_start = 0, 0.0, time.perf_counter()
+                    window_tokens, window_loss, window_start = 0, 0.0, self.elapsed
                 if self.step % c.eval_every == 0:
                     self._evaluate(c.eval_sentences)
                 if self.step % c.save_every == 0:
