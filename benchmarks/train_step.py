@@ -27,32 +27,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:  # run as a script (benchmarks/ on sys.path) or as `python -m benchmarks.train_step`
-    from common import (
-        alternating_timing,
-        busy_processes,
-        fmt_rate,
-        load_report,
-        machine_info,
-        matmul_peak,
-        matmul_probe,
-        median,
-        set_threads,
-        wait_for_idle,
-    )
-except ImportError:
-    from benchmarks.common import (
-        alternating_timing,
-        busy_processes,
-        fmt_rate,
-        load_report,
-        machine_info,
-        matmul_peak,
-        matmul_probe,
-        median,
-        set_threads,
-        wait_for_idle,
-    )
+from common import (  # benchmarks run as scripts: `python benchmarks/train_step.py`
+    alternating_timing,
+    busy_processes,
+    fmt_rate,
+    load_report,
+    machine_info,
+    matmul_peak,
+    matmul_probe,
+    median,
+    set_threads,
+    wait_for_idle,
+)
 
 from tformer import ModelConfig, build_model
 
@@ -255,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     out(f"params: tformer {n_params(tf):,}, HF {n_params(hf):,} (tied LM head); same weights, "
         f"fp32 loss {l_tf:.4f} vs {l_hf:.4f}")
     out(f"batch {B} x {T} = {tokens} tokens/step; AdamW(lr=1e-4, {impl}) for both ({impl_note})")
-    out(f"step = forward + cross-entropy (shifted labels, same code both sides) + backward + AdamW step "
-        f"+ zero_grad(set_to_none=True)")
+    out("step = forward + cross-entropy (shifted labels, same code both sides) + backward + AdamW step "
+        "+ zero_grad(set_to_none=True)")
     out(f"FLOPs: {FLOP_NOTE} (as `tformer info`); matmul weights {weights:,} -> {flops_tok / 1e6:.1f} "
         f"MFLOP/token at T={T}")
     out(f"timing: {args.warmup} warmup + {args.steps} timed steps per model and dtype, tformer and HF "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -56,3 +57,12 @@ def logits(
     if model.config.family == "encoder-decoder":
         return model(src, ids, src_mask, mask)
     return model(ids, mask)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors gain nothing from intra-op threads, and on a busy machine the threads wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,13 +15,7 @@ from tformer.models import DecoderLM, EncoderDecoder
 BOS, EOS, PAD = 1, 2, 0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine the threads wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ---- KV cache: prefill + one token at a time == the full forward ------------------------------------------------
 

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,12 +37,7 @@ WORDS = "zero one two three four five six seven eight nine".split()
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny tensors: threads only contend on a busy machine
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_corpus(path: Path, n: int = 200) -> Path:
