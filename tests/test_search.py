@@ -243,10 +243,11 @@ def test_translate_ids_returns_results_in_input_order(beam_size: int) -> None:
     sources = [tokens(1, n, 90, seed=10 + i)[0].add(3).tolist() for i, n in enumerate(lengths)]
     extra_len = 4
     out = translate_ids(model, sources, BOS, EOS, PAD, beam_size=beam_size, alpha=0.6, extra_len=extra_len)
-    # One batch: every sentence gets the batch's limit, the longest source + </s> + extra_len.
-    max_len = max(lengths) + 1 + extra_len
+    # Each sentence gets its own limit, its source + </s> + extra_len, whatever it is batched with.
     search = greedy_search if beam_size == 1 else lambda *a: beam_search(*a, beam_size=beam_size, alpha=0.6)
     for source, hypothesis in zip(sources, out):
         src = torch.tensor([[*source, EOS]])
-        assert hypothesis == search(model, src, torch.ones_like(src), max_len, BOS, EOS)[0]
+        assert hypothesis == search(model, src, torch.ones_like(src), len(source) + 1 + extra_len, BOS, EOS)[0]
+    one_by_one = translate_ids(model, sources, BOS, EOS, PAD, beam_size, 0.6, batch_size=1, extra_len=extra_len)
+    assert out == one_by_one
     assert len({tuple(h) for h in out}) >= 3, "outputs must differ, or a mix-up of the order could pass"

@@ -21,21 +21,31 @@ def length_penalty(length: int, alpha: float) -> float:
 
 @torch.no_grad()
 def greedy_search(
-    model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor, max_len: int, bos_id: int, eos_id: int
+    model: EncoderDecoder,
+    src: torch.Tensor,
+    src_mask: torch.Tensor,
+    max_len: int | Sequence[int],
+    bos_id: int,
+    eos_id: int,
 ) -> list[list[int]]:
-    """The arg-max token at every step, for a batch of sources (B, S); returns ids without <s> / </s>."""
+    """The arg-max token at every step, for a batch of sources (B, S); returns ids without <s> / </s>.
+
+    `max_len` caps the generated tokens, for the whole batch or per row.
+    """
     model.eval()
     B = src.shape[0]
+    limits = _row_limits(max_len, B)
     memory = model.encode(src, src_mask)
-    cache = model.new_cache(B, max_len + 1)
+    cache = model.new_cache(B, max(limits) + 1)
     tokens = torch.full((B, 1), bos_id, dtype=torch.long, device=src.device)
     done = torch.zeros(B, dtype=torch.bool, device=src.device)
     out: list[torch.Tensor] = []
-    for t in range(max_len):
+    row_limits = torch.tensor(limits, device=src.device)
+    for t in range(max(limits)):
         logits = model.decode(tokens, memory, src_mask, cache=cache, start=t)[:, -1]  # (B, V)
         tokens = logits.argmax(-1, keepdim=True).masked_fill(done[:, None], eos_id)
         out.append(tokens)
-        done |= tokens[:, 0] == eos_id
+        done |= (tokens[:, 0] == eos_id) | (row_limits <= t + 1)
         if done.all():
             break
     ids = torch.cat(out, 1).tolist()
@@ -47,24 +57,28 @@ def beam_search(
     model: EncoderDecoder,
     src: torch.Tensor,
     src_mask: torch.Tensor,
-    max_len: int,
+    max_len: int | Sequence[int],
     bos_id: int,
     eos_id: int,
     beam_size: int = 4,
     alpha: float = 0.6,
 ) -> list[list[int]]:
-    """Batched beam search over sources (B, S); returns the best hypothesis per source, without specials."""
+    """Batched beam search over sources (B, S); returns the best hypothesis per source, without specials.
+
+    `max_len` caps the generated tokens, for the whole batch or per row.
+    """
     model.eval()
     B, K = src.shape[0], beam_size
+    limits = _row_limits(max_len, B)
     memory = model.encode(src, src_mask).repeat_interleave(K, 0)  # (B*K, S, d)
     src_mask = src_mask.repeat_interleave(K, 0)
-    cache = model.new_cache(B * K, max_len + 1)
+    cache = model.new_cache(B * K, max(limits) + 1)
     tokens = torch.full((B * K, 1), bos_id, dtype=torch.long, device=src.device)
     scores = torch.zeros(B, K, device=src.device)
     scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
     done = [False] * B
-    for t in range(max_len):
+    for t in range(max(limits)):
         logits = model.decode(tokens[:, -1:], memory, src_mask, cache=cache, start=t)[:, -1]  # (B*K, V)
         log_probs = torch.log_softmax(logits.float(), -1)
         V = log_probs.shape[-1]
@@ -72,7 +86,7 @@ def beam_search(
         top_scores, top_index = candidates.topk(2 * K, dim=-1)  # (B, 2K): at least K are not </s>
         parents, next_tokens = top_index // V, top_index % V
         new_scores, new_parents, new_tokens = _select_beams(
-            top_scores, parents, next_tokens, tokens.view(B, K, -1), finished, done, eos_id, alpha, max_len
+            top_scores, parents, next_tokens, tokens.view(B, K, -1), finished, done, eos_id, alpha, limits
         )
         if all(done):
             break
@@ -93,23 +107,23 @@ def _select_beams(
     done: list[bool],
     eos_id: int,
     alpha: float,
-    max_len: int,
+    limits: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Moves hypotheses ending in </s> to `finished`; keeps the best K others as the next beams.
 
     As in fairseq, a </s> ranked below the K best candidates is not one of the beam's hypotheses and is
     dropped (so a one-wide beam is greedy search). A sentence is done once it has K finished hypotheses and
     the best of them beats anything a live beam can still reach: log-probabilities only fall, and lp() is
-    at most lp(max_len + 1), which a hypothesis stopped at max_len tokens gets.
+    at most lp(limit + 1), which a hypothesis stopped at its row's limit of tokens gets.
     """
     B, K = top_scores.shape[0], top_scores.shape[1] // 2
-    last_step = prefixes.shape[-1] == max_len
     new_scores = torch.full((B, K), float("-inf"), device=top_scores.device)
     new_parents = torch.zeros(B, K, dtype=torch.long, device=top_scores.device)
     new_tokens = torch.full((B, K), eos_id, dtype=torch.long, device=top_scores.device)
     for b in range(B):
         if done[b]:
             continue
+        last_step = prefixes.shape[-1] == limits[b]
         kept = 0
         ranked = zip(top_scores[b].tolist(), parents[b].tolist(), next_tokens[b].tolist())
         for rank, (score, parent, token) in enumerate(ranked):
@@ -125,11 +139,15 @@ def _select_beams(
             elif kept < K:
                 new_scores[b, kept], new_parents[b, kept], new_tokens[b, kept] = score, parent, token
                 kept += 1
-        reachable = new_scores[b, 0].item() / length_penalty(max_len + 1, alpha)
+        reachable = new_scores[b, 0].item() / length_penalty(limits[b] + 1, alpha)
         best_done = max((score for score, _ in finished[b]), default=float("-inf"))
         if kept == 0 or (len(finished[b]) >= K and best_done >= reachable):
             done[b] = True
     return new_scores, new_parents, new_tokens
+
+
+def _row_limits(max_len: int | Sequence[int], batch_size: int) -> list[int]:
+    return [max_len] * batch_size if isinstance(max_len, int) else list(max_len)
 
 
 def translate_ids(
@@ -143,7 +161,7 @@ def translate_ids(
     batch_size: int = 32,
     extra_len: int = 50,
 ) -> list[list[int]]:
-    """Decodes each source (token ids, </s> appended here) with at most len(source) + `extra_len` tokens.
+    """Decodes each source (token ids, </s> appended here) into at most len(source) + 1 + `extra_len` tokens.
 
     Sources are batched by length and results returned in input order. beam_size 1 means greedy search.
     """
@@ -158,7 +176,7 @@ def translate_ids(
         for j, row in enumerate(rows):
             src[j, : len(row)] = torch.tensor(row)
         src_mask = (src != pad_id).long()
-        max_len = min(width + extra_len, model.config.max_seq_len)
+        max_len = [min(len(row) + extra_len, model.config.max_seq_len) for row in rows]
         if beam_size == 1:
             out = greedy_search(model, src, src_mask, max_len, bos_id, eos_id)
         else:
