@@ -45,7 +45,11 @@ def run_recipe(path: str | Path, overrides: list[str] = (), device: str = "cpu")
               f"{result['dev_bleu']:.2f}")
         for sample in result["samples"]:
             print(f"  src: {sample['source']}\n  hyp: {sample['hypothesis']}\n  ref: {sample['reference']}")
-    print(f"checkpoints in {train_config.out_dir}; try: tformer translate --model {train_config.out_dir} 'Hello.'")
+    if "dev_ppl" in result:
+        print(f"dev perplexity ({result['dev_sentences']} lines): {result['dev_ppl']:.2f}")
+    print(f"checkpoints in {train_config.out_dir}")
+    if train_config.objective == "seq2seq":
+        print(f"try: tformer translate --model {train_config.out_dir} 'In the beginning was the Word.'")
     return result
 
 

@@ -8,7 +8,15 @@ from dataclasses import dataclass
 from tformer.config import ConfigBase, ConfigError
 
 OPTIMIZERS = ("adam-noam", "adamw-cosine")
-OBJECTIVE_NAMES = ("seq2seq", "clm", "mlm", "span_corruption", "denoising", "prefix_lm")
+OBJECTIVE_FAMILIES = {  # the model family each objective trains
+    "seq2seq": "encoder-decoder",
+    "span_corruption": "encoder-decoder",
+    "denoising": "encoder-decoder",
+    "clm": "decoder",
+    "prefix_lm": "decoder",
+    "mlm": "encoder",
+}
+OBJECTIVE_NAMES = tuple(OBJECTIVE_FAMILIES)
 
 
 @dataclass

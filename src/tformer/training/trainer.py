@@ -21,8 +21,8 @@ import yaml
 from safetensors.torch import load_model
 from tqdm import tqdm
 
-from tformer.config import ModelConfig
-from tformer.data import OBJECTIVES, Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab
+from tformer.config import ConfigError, ModelConfig
+from tformer.data import OBJECTIVES, Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab, causal_lm
 from tformer.models import WEIGHTS_FILE, TransformerModel, build_model
 from tformer.training.checkpoint import (
     list_checkpoints,
@@ -31,9 +31,9 @@ from tformer.training.checkpoint import (
     record_best,
     save_checkpoint,
 )
-from tformer.training.config import TrainConfig
+from tformer.training.config import OBJECTIVE_FAMILIES, TrainConfig
 from tformer.training.corpus import PreparedData, prepare_data
-from tformer.training.evaluate import evaluate_translation
+from tformer.training.evaluate import evaluate_translation, perplexity
 from tformer.training.losses import label_smoothed_cross_entropy
 from tformer.training.optim import adamw_cosine, paper_adam
 from tformer.viz import plot_training_curves
@@ -54,6 +54,12 @@ class Trainer:
     """Trains `model_config` with `train_config`, writing everything into `train_config.out_dir`."""
 
     def __init__(self, model_config: ModelConfig, train_config: TrainConfig, device: str = "cpu") -> None:
+        needed = OBJECTIVE_FAMILIES[train_config.objective]
+        if model_config.family != needed:
+            raise ConfigError(
+                f"objective '{train_config.objective}' trains a '{needed}' model, but the model's family is "
+                f"'{model_config.family}'; change model.family (or pick a preset of that family)"
+            )
         self.config = train_config
         self.run_dir = Path(train_config.out_dir)
         self.device = torch.device(device)
@@ -196,9 +202,11 @@ class Trainer:
         prune_checkpoints(self.run_dir, self.config.keep_last)
 
     def _evaluate(self, n_sentences: int | None) -> dict:
-        if self.config.objective != "seq2seq" or not self.data.dev:
+        if not self.data.dev or self.config.objective not in ("seq2seq", "clm"):
             return {}
         dev = self.data.dev[:n_sentences] if n_sentences else self.data.dev
+        if self.config.objective == "clm":
+            return self._evaluate_perplexity(dev)
         result = evaluate_translation(self.model, self.data.tokenizer, dev, self.config.beam_size,
                                       self.config.length_penalty)
         self._log({"step": self.step, "dev_bleu": result.bleu, "dev_sentences": len(dev)})
@@ -207,12 +215,20 @@ class Trainer:
             self.best_bleu = result.bleu
             record_best(self.run_dir, self.step, result.bleu)  # before the save: the saved state then agrees
             self._save()
-        return {"dev_bleu": result.bleu, "samples": result.samples(3)}
+        return {"dev_bleu": result.bleu, "dev_sentences": len(dev), "samples": result.samples(3)}
+
+    def _evaluate_perplexity(self, lines: list[str]) -> dict:
+        encoded = [ids for ids in self.data.tokenizer.encode_batch(lines) if 0 < len(ids) <= self.config.max_len]
+        batches = [causal_lm(encoded[i : i + 32], self.vocab).to(self.device) for i in range(0, len(encoded), 32)]
+        ppl = perplexity(self.model, batches)
+        self._log({"step": self.step, "dev_ppl": ppl, "dev_sentences": len(encoded)})
+        tqdm.write(f"step {self.step}: dev perplexity {ppl:.2f} on {len(encoded)} lines")
+        return {"dev_ppl": ppl, "dev_sentences": len(encoded)}
 
     def _final_evaluation(self) -> dict:
         final = {"step": self.step, "elapsed": self.elapsed}
-        if self.config.objective == "seq2seq" and self.data.dev:
-            final.update(self._evaluate(None), dev_sentences=len(self.data.dev))
+        if self.data.dev:
+            final.update({"dev_sentences": len(self.data.dev), **self._evaluate(None)})
         if (self.run_dir / "metrics.jsonl").is_file():
             final["curves"] = str(plot_training_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png"))
         return final
