@@ -79,11 +79,11 @@ Backend = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float
 ) -> tuple[torch.Tensor, None]:
-    """torch's fused kernel (flash / memory-efficient / math, chosen by torch)."""
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    """torch's fused kernel (flash / memory-efficient / math, chosen by torch); GQA without copying K and V."""
     bias = None if mask.bias is None else mask.bias.to(q.dtype)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=mask.is_causal)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=mask.is_causal, enable_gqa=k.shape[1] != q.shape[1]
+    )
     return out, None
 
 

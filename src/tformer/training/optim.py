@@ -1,4 +1,8 @@
-"""Optimizers and learning-rate schedules: the paper's Adam + inverse-sqrt warmup, and AdamW + warmup-cosine."""
+"""Optimizers and learning-rate schedules: the paper's Adam + inverse-sqrt warmup, and AdamW + warmup-cosine.
+
+Both use torch's fused implementation: on CPU the default per-parameter loop costs GPT-2 small about 0.39 s
+a step against 0.07 s fused (benchmarks/README.md).
+"""
 
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ def _decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def paper_adam(model: nn.Module, d_model: int, warmup: int = 4000, scale: float = 1.0) -> tuple:
     """Adam(beta1=0.9, beta2=0.98, eps=1e-9) with the inverse-square-root warmup schedule."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
     scheduler = LambdaLR(optimizer, lambda step: noam_lr(step + 1, d_model, warmup, scale))
     return optimizer, scheduler
 
@@ -47,6 +51,6 @@ def adamw_cosine(
     betas: tuple[float, float] = (0.9, 0.95), min_ratio: float = 0.1,
 ) -> tuple:
     """AdamW with decoupled weight decay, linear warmup and cosine decay: the modern LLM recipe."""
-    optimizer = torch.optim.AdamW(_decay_groups(model, weight_decay), lr=1.0, betas=betas, eps=1e-8)
+    optimizer = torch.optim.AdamW(_decay_groups(model, weight_decay), lr=1.0, betas=betas, eps=1e-8, fused=True)
     scheduler = LambdaLR(optimizer, lambda step: warmup_cosine_lr(step, peak_lr, warmup, total, min_ratio))
     return optimizer, scheduler
