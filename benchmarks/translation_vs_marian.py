@@ -47,6 +47,7 @@ D_MODEL, N_HEADS, D_FF, N_LAYERS, MAX_POSITIONS = 256, 4, 1024, 3, 256
 DROPOUT, ATTN_DROPOUT, LABEL_SMOOTHING = 0.1, 0.0, 0.1
 VOCAB_SIZE, MAX_LEN, MAX_TOKENS = 4000, 100, 2048
 LR_SCALE, WARMUP = 0.5, 200
+TFORMER_INITS = {"xavier": "xavier (embeddings N(0, d^-0.5))", "normal": "normal (N(0, 0.02))"}
 EXTRA_LEN, DECODE_BATCH = 50, 32  # translate_ids' defaults: at most len(source) + 50 tokens, 32 sentences a batch
 
 
@@ -56,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds of training step time per model (default 240)")
     p.add_argument("--test-sentences", type=int, default=300,
                    help="decode the first N sentences of the test split (default 300; 0: all 1794)")
+    p.add_argument("--tformer-init", choices=["xavier", "normal"], default="xavier",
+                   help="tformer's ModelConfig.init: xavier (the recipe's, default) or normal (N(0, 0.02), as HF "
+                        "initialises Marian)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: os.cpu_count())")
     p.add_argument("--seed", type=int, default=1, help="model init, dropout and batch order (default 1)")
     p.add_argument("--log-every", type=int, default=50, help="print a progress line every N rounds (default 50)")
@@ -113,11 +117,11 @@ class BatchStream:
 
 
 # ---- models ---------------------------------------------------------------------------------------------
-def build_tformer(vocab_size: int) -> nn.Module:
+def build_tformer(vocab_size: int, init: str = "xavier") -> nn.Module:
     cfg = ModelConfig.from_preset(
         "transformer-base", d_model=D_MODEL, n_heads=N_HEADS, d_ff=D_FF, n_encoder_layers=N_LAYERS,
         n_decoder_layers=N_LAYERS, max_seq_len=MAX_POSITIONS, vocab_size=vocab_size, dropout=DROPOUT,
-        attn_dropout=ATTN_DROPOUT,
+        attn_dropout=ATTN_DROPOUT, init=init,
     )
     return build_model(cfg)
 
@@ -201,7 +205,7 @@ class Pauser:
     """
 
     def __init__(self, allowance: float) -> None:
-        self.left, self.paused, self.count, self.seen = allowance, 0.0, 0, set()
+        self.allowance, self.left, self.paused, self.count, self.seen = allowance, allowance, 0.0, 0, set()
 
     def __call__(self) -> None:
         if self.left <= 0:
@@ -217,7 +221,7 @@ class Pauser:
 
     def summary(self) -> str:
         return (f"paused {self.count} times, {self.paused:.0f}s in all, for: {', '.join(sorted(self.seen)) or '-'}"
-                + ("; pause allowance used up" if self.left <= 0 else ""))
+                + ("; pause allowance used up" if self.left <= 0 < self.allowance else ""))
 
 
 def train(sides: Sequence[Side], batches: BatchStream, budget: float, log_every: int, pause: Pauser) -> int:
@@ -320,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         f"sentences of the test split; prepared in {time.perf_counter() - began:.0f}s")
 
     torch.manual_seed(args.seed)
-    tf = build_tformer(tok.vocab_size)
+    tf = build_tformer(tok.vocab_size, args.tformer_init)
     torch.manual_seed(args.seed)
     hf = build_marian(tok)
     sides = [Side("tformer", tf, tformer_logits(tf)), Side("Marian", hf, marian_logits(hf))]
@@ -329,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         f"frozen sinusoid tables {2 * MAX_POSITIONS * D_MODEL:,} included, plus a final_logits_bias buffer)")
     out(f"model: d_model {D_MODEL}, {N_HEADS} heads, d_ff {D_FF}, {N_LAYERS}+{N_LAYERS} layers, post-norm, ReLU, "
         f"sinusoidal, scaled shared tied embeddings, dropout {DROPOUT}, attention dropout {ATTN_DROPOUT}; "
-        f"init: tformer xavier (embeddings N(0, d^-0.5)), Marian HF default (N(0, 0.02))")
+        f"init: tformer {TFORMER_INITS[args.tformer_init]}, Marian HF default (N(0, 0.02))")
     out(f"step (same code both sides): forward on the shared batch, label_smoothed_cross_entropy(eps="
         f"{LABEL_SMOOTHING}) / target tokens, backward, paper_adam (Adam 0.9/0.98/1e-9, noam scale {LR_SCALE}, "
         f"warmup {WARMUP}) step + scheduler step, zero_grad(set_to_none=True), loss.item(); batch collation "
