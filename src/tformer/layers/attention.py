@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer.config import ModelConfig
-from tformer.layers.kv_cache import CrossKV, KVCache
+from tformer.layers.kv_cache import CrossKV, SelfAttentionCache
 from tformer.layers.positions import Rotary, apply_rotary
 
 
@@ -40,27 +40,30 @@ def build_mask(
     device: torch.device,
     window: int | None = None,
     position_bias: torch.Tensor | None = None,
+    query_slots: torch.Tensor | None = None,
 ) -> AttentionMask:
     """Combines causal, sliding-window and padding masks with a position bias, once per forward.
 
-    Queries are the last `n_queries` of the `n_keys` positions (so a cache's new tokens line up at the end).
+    Queries are the last `n_queries` of the `n_keys` positions (so a cache's new tokens line up at the end),
+    or, when given, sit at `query_slots` (B|1, Tq): a batch of sequences at different positions.
     `key_padding` is (B, Tk) with True for real tokens. A fully masked row gets uniform weights, not NaN.
     """
     if window is not None and window >= n_keys:
         window = None
-    if key_padding is None and window is None and position_bias is None:
+    if key_padding is None and window is None and position_bias is None and query_slots is None:
         if not causal:
             return AttentionMask()
         if n_queries == n_keys:
             return AttentionMask(is_causal=True)
-    q_idx = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]  # (Tq, 1)
-    k_idx = torch.arange(n_keys, device=device)[None, :]  # (1, Tk)
-    allowed = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
+    if query_slots is None:
+        query_slots = torch.arange(n_keys - n_queries, n_keys, device=device)[None]
+    q_idx = query_slots[:, None, :, None]  # (B|1, 1, Tq, 1)
+    k_idx = torch.arange(n_keys, device=device)  # (Tk,)
+    allowed = torch.ones(1, 1, n_queries, n_keys, dtype=torch.bool, device=device)
     if causal:
         allowed = allowed & (k_idx <= q_idx)
     if window is not None:
-        allowed = allowed & (q_idx - k_idx < window)
-    allowed = allowed[None, None]  # (1, 1, Tq, Tk)
+        allowed = allowed & (q_idx - k_idx < window)  # (B|1, 1, Tq, Tk)
     if key_padding is not None:
         allowed = allowed & key_padding.bool()[:, None, None, :]  # (B, 1, Tq, Tk)
     bias = torch.zeros((), dtype=dtype, device=device) if position_bias is None else position_bias.to(dtype)
@@ -134,22 +137,22 @@ class Attention(nn.Module):
         mask: AttentionMask,
         rotary: Rotary | None = None,
         context: torch.Tensor | None = None,
-        cache: KVCache | CrossKV | None = None,
-        start: int = 0,
+        cache: SelfAttentionCache | CrossKV | None = None,
+        cache_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x (B, T, d) -> (B, T, d). With a `cache`, x holds the tokens at positions start..start+T-1."""
+        """x (B, T, d) -> (B, T, d). With a self-attention `cache`, x holds the tokens at `cache_positions`."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         if context is None:
-            k, v = self._project_kv(x)
+            k, v = self.project_kv(x)
             if rotary is not None:
                 q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
             if cache is not None:
-                k, v = cache.update(start, k, v)  # (B, Hkv, start+T, D)
+                k, v = cache.update(cache_positions, k, v)  # (B, Hkv, Tk, D)
         elif cache is not None and cache.k is not None:
             k, v = cache.k, cache.v
         else:
-            k, v = self._project_kv(context)
+            k, v = self.project_kv(context)
             if cache is not None:
                 cache.k, cache.v = k, v
         dropout_p = self.attn_dropout if self.training else 0.0
@@ -159,7 +162,8 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.out_proj(out)
 
-    def _project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `source` (B, S, d): (B, Hkv, S, D) each, before any rotary embedding."""
         B, S, _ = source.shape
         k = self.k_proj(source).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
         v = self.v_proj(source).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)

@@ -1,8 +1,14 @@
-"""Contiguous KV caches for incremental decoding (gpt-fast style): one object per attention layer."""
+"""Contiguous KV caches for incremental decoding (gpt-fast style): one object per attention layer.
+
+Every self-attention cache follows one protocol, `update(positions, k, v) -> (keys, values)`: it stores the
+new keys and values (B, Hkv, T, D) of tokens at `positions` (B|1, T) and returns all keys and values each row
+may attend to, indexed by position. The paged cache of the inference engine follows it too.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -10,7 +16,7 @@ import torch
 class KVCache:
     """Self-attention keys and values preallocated to `max_len`: (B, Hkv, max_len, D) each.
 
-    `update(start, k, v)` writes the new entries at slots start..start+T and returns every entry so far.
+    Position p of row b lives in slot p; a position of -1 marks a padding query whose entry is dropped.
     """
 
     def __init__(
@@ -20,12 +26,24 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = start + k.shape[2]
+    def update(
+        self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes k, v (B, Hkv, T, D) at `positions` (B|1, T); returns the entries up to the largest position."""
+        end = int(positions.max()) + 1
         if end > self.k.shape[2]:
-            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; cannot write up to {end}")
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; cannot write position {end - 1}")
+        T = k.shape[2]
+        start = int(positions[0, 0])
+        if positions.shape[0] == 1 and torch.equal(positions[0], torch.arange(start, start + T, device=k.device)):
+            self.k[:, :, start : start + T] = k
+            self.v[:, :, start : start + T] = v
+        else:
+            positions = positions.expand(k.shape[0], T)
+            keep = positions >= 0  # (B, T)
+            rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions)
+            self.k[rows[keep], :, positions[keep]] = k.transpose(1, 2)[keep]  # (N, Hkv, D)
+            self.v[rows[keep], :, positions[keep]] = v.transpose(1, 2)[keep]
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def reorder(self, index: torch.Tensor) -> None:
@@ -45,13 +63,20 @@ class CrossKV:
             self.k, self.v = self.k[index], self.v[index]
 
 
+class SelfAttentionCache(Protocol):
+    """Anything a self-attention layer can read and write its keys and values through."""
+
+    def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+
 @dataclass
 class LayerCache:
     """What one decoder block keeps between decoding steps."""
 
-    self_attn: KVCache
+    self_attn: SelfAttentionCache
     cross_attn: CrossKV = field(default_factory=CrossKV)
 
     def reorder(self, index: torch.Tensor) -> None:
-        self.self_attn.reorder(index)
+        self.self_attn.reorder(index)  # type: ignore[attr-defined]  # only the contiguous cache reorders
         self.cross_attn.reorder(index)

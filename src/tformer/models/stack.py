@@ -78,27 +78,40 @@ class TransformerStack(nn.Module):
     ) -> torch.Tensor:
         """tokens (B, T) -> hidden states (B, T, d). Masks are 1 for real tokens.
 
-        Without a cache, attention_mask and positions are (B, T). With a `cache` (incremental decoding),
-        `tokens` sit at positions start..start+T-1 after the cached ones, attention_mask covers all
-        start+T keys, and positions are derived from it.
+        Without a cache, attention_mask and positions are (B, T). With a `cache` (incremental decoding):
+        - either `tokens` sit at positions start..start+T-1 after the cached ones, and attention_mask (if any)
+          covers all start+T keys (left padding shifts the positions it derives);
+        - or `positions` (B, T) place each row's tokens itself (an engine batch of sequences at different
+          lengths, -1 marking padding), and there is no attention_mask.
+        With cached cross-attention keys and values, `memory` may be None if memory_padding is given.
         """
-        T = tokens.shape[1]
-        n_keys = start + T
-        if positions is not None and cache is not None:
-            raise ValueError("explicit positions are not supported with a cache; pass attention_mask instead")
-        key_positions = default_positions(n_keys, attention_mask, tokens.device) if positions is None else positions
-        positions = key_positions[:, start:].expand(tokens.shape[0], T)
+        query_slots = None
+        if cache is not None and positions is not None:
+            if attention_mask is not None:
+                raise ValueError("pass either positions or attention_mask with a cache, not both")
+            query_slots, n_keys = positions.clamp(min=0), int(positions.max()) + 1
+            cache_positions, positions = positions, query_slots
+            key_positions = torch.arange(n_keys, device=tokens.device)[None]
+        else:
+            T = tokens.shape[1]
+            n_keys = start + T
+            key_positions = default_positions(n_keys, attention_mask, tokens.device) if positions is None else positions
+            positions = key_positions[:, start:].expand(tokens.shape[0], T)
+            cache_positions = torch.arange(start, n_keys, device=tokens.device)[None]
         x = self.embed(tokens, positions, token_types)
         dtype, device = compute_dtype(x), x.device
         position_bias = self.positions.attention_bias(positions, key_positions)
-        mask = build_mask(T, attention_mask, n_keys, self.causal, dtype, device, self.window, position_bias)
+        mask = build_mask(
+            tokens.shape[1], attention_mask, n_keys, self.causal, dtype, device, self.window, position_bias, query_slots
+        )
         rotary = self.positions.rotary(positions)
         memory_mask = None
-        if memory is not None:
-            memory_mask = build_mask(T, memory_padding, memory.shape[1], False, dtype, device)
+        if memory is not None or memory_padding is not None:
+            n_memory = memory.shape[1] if memory is not None else memory_padding.shape[1]
+            memory_mask = build_mask(tokens.shape[1], memory_padding, n_memory, False, dtype, device)
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache[i]
-            x = self._run_layer(layer, x, mask, rotary, memory, memory_mask, layer_cache, start)
+            x = self._run_layer(layer, x, mask, rotary, memory, memory_mask, layer_cache, cache_positions)
         return self.final_norm(x)
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
