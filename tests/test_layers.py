@@ -204,7 +204,8 @@ def multi_head_reference(attn: Attention, x: torch.Tensor, context: torch.Tensor
 @pytest.mark.parametrize("backend", ATTENTION_BACKEND_NAMES)
 @pytest.mark.parametrize("kind", ["self", "causal", "cross"])
 def test_attention_matches_multi_head_formula(backend: str, kind: str) -> None:
-    attn = randomize(Attention(tiny_config("tiny-transformer", attention_backend=backend))).eval()
+    cross = kind == "cross"
+    attn = randomize(Attention(tiny_config("tiny-transformer", attention_backend=backend), cross=cross)).eval()
     with torch.no_grad():  # keep scores moderate so the softmax is not one-hot
         for proj in (attn.q_proj, attn.k_proj):
             proj.weight.mul_(0.2)

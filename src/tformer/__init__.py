@@ -1,8 +1,20 @@
 """tformer: every Transformer family from one config, trained and served in readable PyTorch."""
 
 from tformer.config import ConfigError, ModelConfig
+from tformer.inference import Engine, EngineConfig, RequestError, SamplingParams
 from tformer.models import CheckpointError, TransformerModel, build_model, load
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointError", "ConfigError", "ModelConfig", "TransformerModel", "build_model", "load"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "Engine",
+    "EngineConfig",
+    "ModelConfig",
+    "RequestError",
+    "SamplingParams",
+    "TransformerModel",
+    "build_model",
+    "load",
+]

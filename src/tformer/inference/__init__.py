@@ -1,5 +1,18 @@
-"""Inference: decoding (greedy, beam search) on KV caches. Never imports tformer.training."""
+"""Inference: decoding (greedy, beam search) and the serving engine. Never imports tformer.training."""
 
+from tformer.inference.engine import Completion, Engine, EngineConfig, RequestOutput
+from tformer.inference.sampling import RequestError, SamplingParams
 from tformer.inference.search import beam_search, greedy_search, length_penalty, translate_ids
 
-__all__ = ["beam_search", "greedy_search", "length_penalty", "translate_ids"]
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineConfig",
+    "RequestError",
+    "RequestOutput",
+    "SamplingParams",
+    "beam_search",
+    "greedy_search",
+    "length_penalty",
+    "translate_ids",
+]

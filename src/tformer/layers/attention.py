@@ -114,12 +114,13 @@ ATTENTION_BACKENDS: dict[str, Backend] = {"sdpa": sdpa_attention, "math": math_a
 class Attention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O with head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
 
-    Keys and values have n_kv_heads heads (GQA; MQA when 1). With `context` it is cross-attention.
+    Keys and values have n_kv_heads heads (GQA; MQA when 1). A `cross` layer attends to `context` (or its cache).
     Set `keep_weights` to store the last attention weights (math backend) in `last_weights`.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, cross: bool = False) -> None:
         super().__init__()
+        self.cross = cross
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(config.d_model, q_dim, bias=config.attn_bias)
@@ -143,7 +144,7 @@ class Attention(nn.Module):
         """x (B, T, d) -> (B, T, d). With a self-attention `cache`, x holds the tokens at `cache_positions`."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        if context is None:
+        if not self.cross:
             k, v = self.project_kv(x)
             if rotary is not None:
                 q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)

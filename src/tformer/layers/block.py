@@ -82,7 +82,7 @@ class Block(nn.Module):
         residual = RESIDUALS[config.norm_placement]
         self.self_attn = Attention(config)
         self.norm_attn = residual(config, alpha)
-        self.cross_attn = Attention(config) if cross_attention else None
+        self.cross_attn = Attention(config, cross=True) if cross_attention else None
         self.norm_cross = residual(config, alpha) if cross_attention else None
         self.ffn = make_ffn(config)
         self.norm_ffn = residual(config, alpha)

@@ -1,0 +1,257 @@
+"""`Engine`: batched, streaming generation on a paged KV cache with continuous batching.
+
+One `step()` asks the scheduler for a plan, runs the model once over every scheduled sequence, samples a
+token for each sequence whose pending tokens are all in the cache, and reports what each request produced.
+Requests join between steps as soon as blocks are free and leave the moment they stop. The engine serves
+decoder-only models (the prompt starts the sequence) and encoder-decoder models (the prompt is the source;
+the decoder starts from <s>) alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from tformer.inference.paged import BlockAllocator, PagedKVCache
+from tformer.inference.runner import StepBatch, make_runner
+from tformer.inference.sampling import RequestError, SamplingParams, make_generator, sample_token
+from tformer.inference.scheduler import Scheduler, Sequence, Status
+from tformer.inference.text import TextTracker, Tokenizer
+from tformer.models import EncoderDecoder, TransformerModel
+
+
+@dataclass
+class EngineConfig:
+    """Sizes of the engine: KV block size and count, the per-step token budget, concurrency and context.
+
+    `num_blocks` 0 sizes the pool to `kv_cache_bytes`, capped at what `max_seqs` sequences of the full
+    context need. A `block_size` equal to the context preallocates each sequence contiguously.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 0
+    kv_cache_bytes: int = 1 << 30
+    max_batched_tokens: int = 512  # per step; a longer prompt is prefilled in chunks of this size
+    max_seqs: int = 64
+    max_model_len: int = 0  # 0: the model's max_seq_len
+    prefix_caching: bool = True
+
+
+@dataclass
+class RequestOutput:
+    """What one request produced in one step (streaming): new token ids and new text."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class Completion:
+    """A finished request: every generated token id (a final stop token included) and the text."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+class Engine:
+    """Generates for many requests at once: `generate(prompts, params)`, `stream(prompt, params)`, `step()`."""
+
+    def __init__(
+        self, model: TransformerModel, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.runner = make_runner(model)
+        mc = model.config
+        self.max_model_len = self.config.max_model_len or mc.max_seq_len
+        weight = model.lm_head.weight
+        n_layers = mc.n_decoder_layers
+        self.kv = PagedKVCache(
+            n_layers, self._num_blocks(mc.n_kv_heads * mc.head_dim * 2 * n_layers * weight.element_size()),
+            self.config.block_size, mc.n_kv_heads, mc.head_dim, weight.dtype, weight.device,
+        )
+        self.allocator = BlockAllocator(self.kv.k[0].shape[0] // self.config.block_size, self.config.block_size)
+        prefix_caching = self.config.prefix_caching and not isinstance(model, EncoderDecoder)
+        self.scheduler = Scheduler(
+            self.allocator, self.config.max_batched_tokens, self.config.max_seqs, prefix_caching=prefix_caching
+        )
+        self.sequences: dict[str, Sequence] = {}
+        self._trackers: dict[str, TextTracker] = {}
+        self._ids = itertools.count()
+        self.num_preemptions = 0
+
+    def _num_blocks(self, bytes_per_token: int) -> int:
+        if self.config.num_blocks:
+            return self.config.num_blocks
+        blocks_per_seq = -(-self.max_model_len // self.config.block_size)
+        by_memory = self.config.kv_cache_bytes // (bytes_per_token * self.config.block_size)
+        return max(blocks_per_seq, min(by_memory, blocks_per_seq * self.config.max_seqs))
+
+    # requests -------------------------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queues a request; raises RequestError (and changes nothing) when it cannot be served."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.sequences:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seq = self._new_sequence(request_id, self._encode(prompt), params)
+        self.sequences[request_id] = seq
+        self._trackers[request_id] = TextTracker(self.tokenizer, params.stop)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Cancels a request (a client went away): its blocks return to the pool at once."""
+        seq = self.sequences.pop(request_id, None)
+        self._trackers.pop(request_id, None)
+        if seq is not None and seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        """KV blocks some live request holds (cached free blocks do not count)."""
+        return self.allocator.pool.num_used
+
+    def _encode(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer: pass the prompt as a list of token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("the prompt is empty; send at least one token")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+        return ids
+
+    def _new_sequence(self, request_id: str, ids: list[int], params: SamplingParams) -> Sequence:
+        generator = None if params.greedy else make_generator(params.seed)
+        if isinstance(self.model, EncoderDecoder):
+            if len(ids) > self.max_model_len:
+                raise RequestError(f"the source has {len(ids)} tokens; the model reads at most {self.max_model_len}")
+            prompt, source = [self._bos_id()], ids
+        else:
+            prompt, source = ids, None
+        if len(prompt) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens but the context holds {self.max_model_len}; shorten it"
+            )
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"max_tokens={params.max_tokens} is beyond the limit: the prompt's {len(prompt)} tokens plus "
+                f"max_tokens exceed the context of {self.max_model_len}; use max_tokens <= "
+                f"{self.max_model_len - len(prompt)}"
+            )
+        blocks = self.allocator.blocks_needed([], len(prompt) + params.max_tokens)
+        if blocks > self.allocator.pool.num_blocks:
+            raise RequestError(f"the request needs {blocks} KV blocks; the pool has {self.allocator.pool.num_blocks}")
+        return Sequence(request_id, prompt, params, generator, source=source)
+
+    def _bos_id(self) -> int:
+        bos = getattr(self.tokenizer, "bos_id", None)
+        return 1 if bos is None else bos
+
+    def _eos_ids(self) -> set[int]:
+        eos = getattr(self.tokenizer, "eos_id", None)
+        return set() if eos is None else {eos}
+
+    # the loop -------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled batch; returns one output per request that produced a token or finished."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        self.num_preemptions += len(plan.preempted)
+        self.kv.copy_blocks(plan.copies)
+        seqs = [seq for seq, _ in plan.scheduled]
+        for seq in seqs:
+            self.runner.start(seq)
+        chunks = [seq.tokens[seq.n_computed : seq.n_computed + n] for seq, n in plan.scheduled]
+        batch = StepBatch.build(chunks, [seq.n_computed for seq in seqs], self.kv.k[0].device)
+        views = self.kv.step_views([seq.table for seq in seqs], batch.positions)
+        logits = self.runner.logits(seqs, batch, views)  # (B, V)
+        outputs = []
+        for row, (seq, n) in enumerate(plan.scheduled):
+            seq.n_computed += n
+            self.scheduler.computed(seq)
+            if seq.n_pending == 0:
+                seq.output.append(sample_token(logits[row], seq.params, seq.generator))
+                outputs.append(self._emit(seq))
+        return outputs
+
+    def _emit(self, seq: Sequence) -> RequestOutput:
+        token = seq.output[-1]
+        params = seq.params
+        tracker = self._trackers[seq.request_id]
+        reason = None
+        if token in params.stop_token_ids or (token in self._eos_ids() and not params.ignore_eos):
+            reason = "stop"
+        text, hit_stop = tracker.push(seq.output, stop_token=reason is not None)
+        if hit_stop:
+            reason = "stop"
+        elif reason is None and (len(seq.output) >= params.max_tokens or len(seq.tokens) >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            text += tracker.flush() if not hit_stop else ""
+            self.scheduler.finish(seq, reason)
+        return RequestOutput(seq.request_id, [token], text, reason is not None, reason)
+
+    # convenience ----------------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: str | Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[Completion]:
+        """Runs every prompt to completion (continuous batching among them); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        done = {rid: Completion(rid, list(self.sequences[rid].source or self.sequences[rid].prompt)) for rid in ids}
+        while any(c.finish_reason is None for c in done.values()):
+            for out in self.step():
+                if out.request_id in done:
+                    _accumulate(done[out.request_id], out)
+        for rid in ids:
+            self.sequences.pop(rid, None)
+            self._trackers.pop(rid, None)
+        return [done[rid] for rid in ids]
+
+    def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yields the request's tokens and text as they are produced (other requests keep running)."""
+        rid = self.add_request(prompt, params)
+        try:
+            finished = False
+            while not finished:
+                for out in self.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            self.abort(rid)
+
+
+def _accumulate(completion: Completion, out: RequestOutput) -> None:
+    completion.token_ids += out.token_ids
+    completion.text += out.text
+    if out.finished:
+        completion.finish_reason = out.finish_reason

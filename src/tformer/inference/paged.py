@@ -1,0 +1,243 @@
+"""The paged KV cache (vLLM's PagedAttention): fixed-size blocks, a pool with reference counts, block tables.
+
+Bookkeeping and storage are separate:
+- `BlockPool` owns the free list, the reference counts and the prefix cache (full blocks keyed by their tokens
+  and everything before them), on the CPU, with no tensors.
+- `PagedKVCache` owns the tensors: per layer, keys and values of shape (num_blocks * block_size, Hkv, D).
+  A sequence's block table maps its position p to slot table[p // block_size] * block_size + p % block_size.
+- `PagedLayerKV` is what one attention layer sees during one engine step: it writes the new keys and values
+  through the slot mapping and reads every sequence's keys back through its block table.
+
+Blocks are shared by reference count: prefix-cache hits and forked sequences (parallel samples, beams) point
+at the same block, and a write into a shared block first copies it (copy-on-write).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+BlockKey = tuple[object, tuple[int, ...]]  # (key of the previous block or None, this block's token ids)
+
+
+class NoFreeBlocks(RuntimeError):
+    """The pool is exhausted; the scheduler preempts a request and retries."""
+
+
+class BlockPool:
+    """`num_blocks` KV blocks: a free list in least-recently-freed order, reference counts, a prefix cache.
+
+    A block whose count drops to 0 goes to the back of the free list but keeps its prefix-cache key, so a
+    later request with the same prefix can take it back until it is reallocated (LRU eviction).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[BlockKey, int] = {}
+        self.key_of: dict[int, BlockKey] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def allocate(self) -> int:
+        """A fresh block with count 1; evicts the least recently freed cached block if need be."""
+        if not self.free:
+            raise NoFreeBlocks(f"all {self.num_blocks} KV blocks are in use")
+        block, _ = self.free.popitem(last=False)
+        key = self.key_of.pop(block, None)
+        if key is not None:
+            del self.cached[key]
+        self.ref_counts[block] = 1
+        return block
+
+    def share(self, block: int) -> int:
+        """One more owner of `block` (a fork or a prefix-cache hit); takes it off the free list if it was there."""
+        if self.ref_counts[block] == 0:
+            self.free.pop(block)
+        self.ref_counts[block] += 1
+        return block
+
+    def release(self, block: int) -> None:
+        if self.ref_counts[block] <= 0:
+            raise RuntimeError(f"block {block} released more often than it was allocated")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free[block] = None
+
+    def lookup(self, key: BlockKey) -> int | None:
+        """The cached block holding exactly this prefix, if any (without taking a reference)."""
+        return self.cached.get(key)
+
+    def register(self, block: int, key: BlockKey) -> None:
+        """Marks a full block as reusable by any sequence that starts with the same tokens."""
+        if key in self.cached or block in self.key_of:
+            return
+        self.cached[key] = block
+        self.key_of[block] = key
+
+
+@dataclass
+class BlockCopy:
+    """Copy-on-write: the engine copies block `src` to `dst` in every layer before the step runs."""
+
+    src: int
+    dst: int
+
+
+class BlockAllocator:
+    """Block tables on top of a `BlockPool`: growth, prefix hits, forks and copy-on-write."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+
+    def blocks_needed(self, table: list[int], n_tokens: int) -> int:
+        return max(0, -(-n_tokens // self.block_size) - len(table))
+
+    def can_grow(self, table: list[int], n_tokens: int) -> bool:
+        return self.blocks_needed(table, n_tokens) <= self.pool.num_free
+
+    def grow(self, table: list[int], n_tokens: int) -> None:
+        """Appends blocks so that `table` covers n_tokens positions; raises NoFreeBlocks (changing nothing)."""
+        needed = self.blocks_needed(table, n_tokens)
+        if needed > self.pool.num_free:
+            raise NoFreeBlocks(f"need {needed} more KV blocks, {self.pool.num_free} are free")
+        table.extend(self.pool.allocate() for _ in range(needed))
+
+    def free(self, table: list[int]) -> None:
+        for block in reversed(table):  # tail blocks first: they are evicted before the likelier-shared prefix
+            self.pool.release(block)
+        table.clear()
+
+    def fork(self, table: list[int]) -> list[int]:
+        """A new table sharing every block of `table` (parallel samples and beams)."""
+        return [self.pool.share(block) for block in table]
+
+    def copy_on_write(self, table: list[int], start: int, end: int) -> list[BlockCopy]:
+        """Before writing positions start..end-1: gives `table` its own copy of every shared block they touch."""
+        copies = []
+        for index in range(start // self.block_size, -(-end // self.block_size)):
+            block = table[index]
+            if self.pool.ref_counts[block] > 1:
+                new = self.pool.allocate()
+                self.pool.release(block)
+                table[index] = new
+                copies.append(BlockCopy(block, new))
+        return copies
+
+    def block_keys(self, tokens: list[int]) -> list[BlockKey]:
+        """The prefix-cache key of every full block of `tokens`."""
+        keys: list[BlockKey] = []
+        parent: object = None
+        for i in range(len(tokens) // self.block_size):
+            key = (parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
+            keys.append(key)
+            parent = key
+        return keys
+
+    def match_prefix(self, tokens: list[int], max_blocks: int) -> list[int]:
+        """Takes a reference on the cached blocks that hold the longest prefix of `tokens` (at most max_blocks)."""
+        blocks = []
+        for key in self.block_keys(tokens)[:max_blocks]:
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            blocks.append(self.pool.share(block))
+        return blocks
+
+    def register_prefix(self, table: list[int], tokens: list[int], n_computed: int) -> None:
+        """Publishes the full blocks among the first n_computed positions for later prefix hits."""
+        for i, key in enumerate(self.block_keys(tokens[:n_computed])):
+            self.pool.register(table[i], key)
+
+
+class PagedKVCache:
+    """The KV tensors of every layer, in blocks: (num_blocks * block_size, Hkv, D) for keys and for values."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        num_blocks: int,
+        block_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_blocks * block_size, n_kv_heads, head_dim)
+        self.block_size = block_size
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        bs = self.block_size
+        for copy in copies:
+            for layer_k, layer_v in zip(self.k, self.v, strict=True):
+                layer_k[copy.dst * bs : (copy.dst + 1) * bs] = layer_k[copy.src * bs : (copy.src + 1) * bs]
+                layer_v[copy.dst * bs : (copy.dst + 1) * bs] = layer_v[copy.src * bs : (copy.src + 1) * bs]
+
+    def slots(self, tables: list[list[int]], positions: torch.Tensor) -> torch.Tensor:
+        """Physical slots (B, T) of logical positions (B, T) through each row's block table; -1 stays -1."""
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)  # (B, n_blocks)
+        padded = padded.to(positions.device)
+        valid = positions >= 0
+        pos = positions.clamp(min=0)
+        block_index = (pos // self.block_size).clamp(max=width - 1)
+        slots = padded.gather(1, block_index) * self.block_size + pos % self.block_size
+        return slots.masked_fill(~valid, -1)
+
+    def step_views(self, tables: list[list[int]], positions: torch.Tensor) -> list[PagedLayerKV]:
+        """What each layer reads and writes in one step: new tokens at `positions` (B, T), -1 for padding.
+
+        Every row reads keys 0..n_keys-1, where n_keys is the largest position in the batch plus one;
+        positions a row has not reached yet are masked by causality.
+        """
+        n_keys = int(positions.max()) + 1
+        write_slots = self.slots(tables, positions).reshape(-1)
+        keep = write_slots >= 0
+        key_positions = torch.arange(n_keys, device=positions.device).expand(len(tables), n_keys)
+        read_slots = self.slots(tables, key_positions)  # (B, n_keys)
+        return [
+            PagedLayerKV(k, v, write_slots[keep], keep, read_slots) for k, v in zip(self.k, self.v, strict=True)
+        ]
+
+
+class PagedLayerKV:
+    """One layer's window on the paged cache during one step (the `update(positions, k, v)` protocol)."""
+
+    def __init__(
+        self, k: torch.Tensor, v: torch.Tensor, write_slots: torch.Tensor, keep: torch.Tensor, read_slots: torch.Tensor
+    ) -> None:
+        self.k, self.v = k, v
+        self.write_slots, self.keep, self.read_slots = write_slots, keep, read_slots
+
+    def update(
+        self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes k, v (B, Hkv, T, D) of the real tokens, returns every row's keys and values (B, Hkv, Tk, D)."""
+        B, H, T, D = k.shape
+        new_k = k.transpose(1, 2).reshape(B * T, H, D)[self.keep]
+        new_v = v.transpose(1, 2).reshape(B * T, H, D)[self.keep]
+        self.k.index_copy_(0, self.write_slots, new_k.to(self.k.dtype))
+        self.v.index_copy_(0, self.write_slots, new_v.to(self.v.dtype))
+        keys = self.k[self.read_slots]  # (B, Tk, Hkv, D)
+        values = self.v[self.read_slots]
+        return keys.transpose(1, 2), values.transpose(1, 2)

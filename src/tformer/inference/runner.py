@@ -1,0 +1,119 @@
+"""Model runners: how one engine step turns a batch of sequences into next-token logits, per model family.
+
+A step feeds each scheduled sequence's new tokens, padded into a (B, T) batch with positions of -1 on the
+padding, through the decoder with the paged cache, and keeps the logits of each row's last real token.
+An encoder-decoder model also runs its encoder once per request and keeps the cross-attention keys and
+values of every decoder layer with the request, so later steps never touch the encoder again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tformer.inference.paged import PagedLayerKV
+from tformer.inference.scheduler import Sequence
+from tformer.layers.kv_cache import CrossKV, LayerCache
+from tformer.models import DecoderLM, EncoderDecoder, TransformerModel
+
+
+@dataclass
+class StepBatch:
+    """The tensors of one step: tokens and positions (B, T) with -1 positions as padding, last_index (B,)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    last_index: torch.Tensor
+
+    @classmethod
+    def build(cls, chunks: list[list[int]], starts: list[int], device: torch.device) -> StepBatch:
+        """Row i holds chunks[i], the tokens at positions starts[i], starts[i] + 1, ..."""
+        width = max(len(chunk) for chunk in chunks)
+        tokens = torch.zeros(len(chunks), width, dtype=torch.long)
+        positions = torch.full((len(chunks), width), -1, dtype=torch.long)
+        for row, (chunk, start) in enumerate(zip(chunks, starts, strict=True)):
+            tokens[row, : len(chunk)] = torch.tensor(chunk)
+            positions[row, : len(chunk)] = torch.arange(start, start + len(chunk))
+        last_index = torch.tensor([len(chunk) - 1 for chunk in chunks])
+        return cls(tokens.to(device), positions.to(device), last_index.to(device))
+
+
+def _last_hidden(hidden: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last_index]  # (B, d)
+
+
+class DecoderRunner:
+    """Decoder-only models: the prompt is the start of the sequence itself."""
+
+    def __init__(self, model: DecoderLM) -> None:
+        self.model = model
+
+    def start(self, seq: Sequence) -> None:
+        """Nothing to prepare: a decoder has no per-request state besides its KV blocks."""
+
+    def logits(self, seqs: list[Sequence], batch: StepBatch, views: list[PagedLayerKV]) -> torch.Tensor:
+        caches = [LayerCache(view) for view in views]
+        hidden = self.model.decoder(batch.tokens, positions=batch.positions, cache=caches)
+        return self.model.lm_head(_last_hidden(hidden, batch.last_index)).float()  # (B, V)
+
+
+@dataclass
+class EncoderState:
+    """A request's encoder output, as cross-attention keys and values (1, Hkv, S, D) per decoder layer."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+
+class Seq2SeqRunner:
+    """Encoder-decoder models: the request's source goes through the encoder once; the decoder generates."""
+
+    def __init__(self, model: EncoderDecoder) -> None:
+        self.model = model
+
+    def start(self, seq: Sequence) -> None:
+        if seq.encoder_state is not None:
+            return
+        source = torch.tensor([seq.source], device=self.model.lm_head.weight.device)  # (1, S)
+        memory = self.model.encode(source)
+        pairs = [layer.cross_attn.project_kv(memory) for layer in self.model.decoder.layers]
+        seq.encoder_state = EncoderState([k for k, _ in pairs], [v for _, v in pairs])
+
+    def logits(self, seqs: list[Sequence], batch: StepBatch, views: list[PagedLayerKV]) -> torch.Tensor:
+        states: list[EncoderState] = [seq.encoder_state for seq in seqs]
+        width = max(state.length for state in states)
+        padding = torch.zeros(len(seqs), width, dtype=torch.bool, device=batch.tokens.device)
+        for row, state in enumerate(states):
+            padding[row, : state.length] = True
+        caches = []
+        for layer, view in enumerate(views):
+            keys = _pad_stack([state.keys[layer] for state in states], width)
+            values = _pad_stack([state.values[layer] for state in states], width)
+            caches.append(LayerCache(view, CrossKV(keys, values)))
+        hidden = self.model.decoder(batch.tokens, positions=batch.positions, memory_padding=padding, cache=caches)
+        return self.model.lm_head(_last_hidden(hidden, batch.last_index)).float()
+
+
+def _pad_stack(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
+    """(1, H, S_i, D) tensors -> (B, H, width, D), zero-padded along S."""
+    first = tensors[0]
+    out = first.new_zeros(len(tensors), first.shape[1], width, first.shape[3])
+    for row, t in enumerate(tensors):
+        out[row, :, : t.shape[2]] = t[0]
+    return out
+
+
+def make_runner(model: TransformerModel) -> DecoderRunner | Seq2SeqRunner:
+    if isinstance(model, DecoderLM):
+        return DecoderRunner(model)
+    if isinstance(model, EncoderDecoder):
+        return Seq2SeqRunner(model)
+    raise TypeError(
+        f"the engine generates with decoder-only and encoder-decoder models, not {type(model).__name__} "
+        "(an encoder has no next-token distribution)"
+    )

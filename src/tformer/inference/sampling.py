@@ -1,0 +1,98 @@
+"""Per-request sampling parameters and the next-token choice: greedy, temperature, top-k, top-p.
+
+Each request carries its own `SamplingParams` and its own seeded generator, so a request's output does not
+depend on which other requests share its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (bad sampling parameters, a prompt that does not fit, ...)."""
+
+
+@dataclass
+class SamplingParams:
+    """How one request picks tokens and when it stops (the OpenAI / vLLM parameters).
+
+    temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters. Generation stops at
+    `max_tokens`, at the tokenizer's end-of-sequence token (unless `ignore_eos`), at any of `stop_token_ids`,
+    or when the text ends with one of `stop` (the stop string itself is not returned).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+            raise RequestError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k must be a non-negative integer (0 disables it), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Keeps the top_k largest logits, then the smallest set whose probability reaches top_p; (V,) -> (V,).
+
+    Everything else becomes -inf. The most likely token always survives.
+    """
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)
+        drop_sorted = cumulative - torch.softmax(sorted_logits, -1) >= top_p  # mass before this token already >= p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a request samples from: softmax(filter(logits / T)); one-hot at the argmax if greedy."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
+    scaled = logits.float() / params.temperature
+    return torch.softmax(filter_logits(scaled, params.top_k, params.top_p), -1)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token id from one row of logits (V,)."""
+    if params.greedy:
+        return int(logits.argmax())
+    probs = sampling_probs(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own random stream: seeded when the request gives a seed, else from fresh entropy."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

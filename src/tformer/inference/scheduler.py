@@ -1,0 +1,150 @@
+"""Continuous batching: a scheduler that only keeps books (vLLM v1 style).
+
+Each step it decides which sequences run and how many of their tokens: running sequences first (a decode
+step is one token; an unfinished prompt continues in chunks), then waiting ones as long as the token budget,
+the sequence limit and the free KV blocks allow. A waiting prompt first takes whatever prefix the cache
+already holds. When blocks run out, the most recently arrived running sequence is preempted: its blocks go
+back to the pool and it waits to be recomputed from scratch, keeping the tokens it has generated so far.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from tformer.inference.paged import BlockAllocator, BlockCopy
+from tformer.inference.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrivals = itertools.count()
+
+
+@dataclass
+class Sequence:
+    """One stream of tokens: its prompt, what it has generated, and its place in the paged cache."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    output: list[int] = field(default_factory=list)
+    table: list[int] = field(default_factory=list)
+    n_computed: int = 0  # tokens whose keys and values are in the cache
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    source: list[int] | None = None  # encoder-decoder models: the source the encoder reads
+    encoder_state: object = None  # encoder-decoder models: the source's cross-attention keys and values
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def n_pending(self) -> int:
+        return len(self.prompt) + len(self.output) - self.n_computed
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: which sequences run with how many new tokens, and the blocks to copy first."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    copies: list[BlockCopy] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    """Chooses each step's batch under a token budget, a sequence limit and the KV block pool."""
+
+    def __init__(
+        self, allocator: BlockAllocator, max_batched_tokens: int = 512, max_seqs: int = 64, prefix_caching: bool = True
+    ) -> None:
+        self.allocator = allocator
+        self.max_batched_tokens = max_batched_tokens
+        self.max_seqs = max_seqs
+        self.prefix_caching = prefix_caching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def computed(self, seq: Sequence) -> None:
+        """After a step: the sequence's newly full blocks become prefix-cache entries."""
+        if self.prefix_caching:
+            self.allocator.register_prefix(seq.table, seq.tokens, seq.n_computed)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a sequence (stopped, cancelled or rejected) and returns its blocks to the pool."""
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.allocator.free(seq.table)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.n_pending, budget)
+            while not self.allocator.can_grow(seq.table, seq.n_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    return budget
+            self._reserve(seq, n, out)
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            if self.prefix_caching and seq.n_computed == 0 and not seq.table:
+                # keep at least one token to compute: its logits give the next token
+                max_hits = (len(seq.tokens) - 1) // self.allocator.block_size
+                seq.table = self.allocator.match_prefix(seq.tokens, max_hits)
+                seq.n_computed = len(seq.table) * self.allocator.block_size
+            n = min(seq.n_pending, budget)
+            if not self.allocator.can_grow(seq.table, seq.n_computed + n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self._reserve(seq, n, out)
+            budget -= n
+
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        self.allocator.grow(seq.table, seq.n_computed + n)
+        out.copies += self.allocator.copy_on_write(seq.table, seq.n_computed, seq.n_computed + n)
+        out.scheduled.append((seq, n))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.table)
+        seq.n_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)

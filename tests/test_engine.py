@@ -1,0 +1,262 @@
+"""The engine against the plain uncached forward: every path must produce the same greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_model, tiny_config
+from tformer.inference.engine import Engine, EngineConfig
+from tformer.inference.sampling import RequestError, SamplingParams
+from tformer.inference.search import greedy_search
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+DECODERS = {
+    "llama (RoPE, GQA, RMSNorm, SwiGLU)": dict(preset="tiny-llama"),
+    "gpt2 (learned positions)": dict(preset="tiny-gpt2"),
+    "alibi": dict(preset="tiny-llama", position="alibi"),
+    "sliding window": dict(preset="tiny-llama", sliding_window=5),
+}
+
+
+class CharTokenizer:
+    """Printable ASCII as ids 0..94, </s> = 95, <s> = 96: enough to test text, stop strings and streaming."""
+
+    bos_id, eos_id = 96, 95
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 32 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i + 32) for i in ids if i < 95)
+
+
+def reference_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding with the full uncached forward at every step."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def prompts_of_mixed_lengths(vocab: int, lengths: tuple[int, ...] = (7, 2, 13, 1, 20)) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.fixture(params=list(DECODERS), scope="module")
+def decoder(request: pytest.FixtureRequest) -> torch.nn.Module:
+    overrides = dict(DECODERS[request.param])
+    return make_model(tiny_config(overrides.pop("preset"), **overrides))
+
+
+@pytest.mark.parametrize(
+    "engine_config",
+    [
+        EngineConfig(block_size=4, num_blocks=64, max_batched_tokens=256),  # paged, whole prompts at once
+        EngineConfig(block_size=4, num_blocks=64, max_batched_tokens=8),  # chunked prefill
+        EngineConfig(block_size=64, num_blocks=5, max_batched_tokens=256),  # contiguous: one block per sequence
+    ],
+    ids=["paged", "chunked-prefill", "contiguous"],
+)
+def test_engine_greedy_equals_uncached_forward(decoder: torch.nn.Module, engine_config: EngineConfig) -> None:
+    prompts = prompts_of_mixed_lengths(decoder.config.vocab_size)
+    results = Engine(decoder, config=engine_config).generate(prompts, GREEDY)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == reference_greedy(decoder, prompt, GREEDY.max_tokens)
+        assert result.finish_reason == "length"
+
+
+def test_staggered_arrivals_and_preemption_keep_outputs(decoder: torch.nn.Module) -> None:
+    # 12 blocks of 4 cannot hold five sequences of up to 32 tokens: the scheduler must preempt and recompute
+    engine = Engine(decoder, config=EngineConfig(block_size=4, num_blocks=12, max_batched_tokens=16))
+    prompts = prompts_of_mixed_lengths(decoder.config.vocab_size)
+    outputs: dict[str, list[int]] = {}
+    finished: set[str] = set()
+    ids: list[str] = []
+    step = 0
+    while len(finished) < len(prompts):
+        if step % 3 == 0 and len(ids) < len(prompts):  # a new request every third step
+            ids.append(engine.add_request(prompts[len(ids)], GREEDY))
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                finished.add(out.request_id)
+        step += 1
+    assert engine.num_preemptions > 0
+    for rid, prompt in zip(ids, prompts, strict=True):
+        assert outputs[rid] == reference_greedy(decoder, prompt, GREEDY.max_tokens)
+    assert engine.num_blocks_in_use == 0
+
+
+def test_prefix_cache_hits_give_the_same_tokens() -> None:
+    model = make_model(tiny_config("tiny-llama"))
+    shared = prompts_of_mixed_lengths(model.config.vocab_size, (13,))[0]
+    prompts = [shared + [5, 6], shared + [7], shared]
+    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=64))
+    first = engine.generate([prompts[0]], GREEDY)[0]
+    rid = engine.add_request(prompts[1], GREEDY)
+    engine.step()
+    assert engine.sequences[rid].n_computed == 14  # 12 of 13 shared tokens came from 3 cached blocks, +2 computed
+    rest = engine.generate([prompts[2]], GREEDY)[0]
+    while engine.has_unfinished():
+        engine.step()
+    second = engine.sequences[rid]
+    assert first.token_ids == reference_greedy(model, prompts[0], 12)
+    assert second.output == reference_greedy(model, prompts[1], 12)
+    assert rest.token_ids == reference_greedy(model, prompts[2], 12)
+
+
+@pytest.mark.parametrize("block_size", [4, 64])
+def test_encoder_decoder_engine_equals_greedy_search(block_size: int) -> None:
+    model = make_model(tiny_config("tiny-transformer"))
+    sources = prompts_of_mixed_lengths(model.config.vocab_size, (6, 11, 3))
+    sources = [[t if t > 2 else 3 for t in s] for s in sources]  # no <pad>, <s> or </s> inside a source
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    engine = Engine(model, config=EngineConfig(block_size=block_size, num_blocks=16, max_batched_tokens=8))
+    results = engine.generate(sources, params)
+    width = max(map(len, sources))
+    src = torch.tensor([s + [0] * (width - len(s)) for s in sources])
+    expected = greedy_search(model, src, src != 0, max_len=10, bos_id=1, eos_id=-1)
+    assert [r.token_ids for r in results] == expected
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
+    model = make_model(tiny_config("tiny-llama"))
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size)
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, top_k=20, seed=7)
+    alone = Engine(model).generate([prompts[0]], params)[0]
+    batched = Engine(model).generate(prompts, [params] + [SamplingParams(max_tokens=10, seed=i) for i in range(4)])
+    assert batched[0].token_ids == alone.token_ids
+    greedy_by_top_k = Engine(model).generate([prompts[0]], SamplingParams(max_tokens=10, top_k=1, seed=3))[0]
+    assert greedy_by_top_k.token_ids == reference_greedy(model, prompts[0], 10)
+
+
+def test_stop_strings_streaming_and_eos() -> None:
+    model = make_model(tiny_config("tiny-llama", vocab_size=97))
+    engine = Engine(model, CharTokenizer())
+    prompt = "The cat sat"
+    plain = engine.generate(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    assert plain.text == CharTokenizer().decode(plain.token_ids)
+    stop = plain.text[5:7]
+    cut = plain.text.index(stop)
+    pieces = list(engine.stream(prompt, SamplingParams(max_tokens=20, temperature=0.0, stop=[stop])))
+    assert "".join(p.text for p in pieces) == plain.text[:cut]
+    assert pieces[-1].finished and pieces[-1].finish_reason == "stop"
+    assert all(stop not in p.text for p in pieces)
+    eos_at = plain.token_ids.index(95) if 95 in plain.token_ids else None
+    with_eos = engine.generate(prompt, SamplingParams(max_tokens=20, temperature=0.0))[0]
+    if eos_at is not None:
+        assert with_eos.token_ids == plain.token_ids[: eos_at + 1] and with_eos.finish_reason == "stop"
+    else:
+        assert with_eos.token_ids == plain.token_ids
+    assert engine.num_blocks_in_use == 0
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], SamplingParams(), "empty"),
+        (list(range(60)) + [1, 2, 3, 4], SamplingParams(), "context"),
+        ([1, 2, 3], SamplingParams(max_tokens=100), "max_tokens"),
+        ([1, 2, 500], SamplingParams(), "token ids"),
+    ],
+)
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(prompt, params, message) -> None:
+    model = make_model(tiny_config("tiny-llama"))
+    engine = Engine(model)
+    running = engine.add_request([1, 2, 3], GREEDY)
+    with pytest.raises(RequestError, match=message):
+        engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.sequences[running].output == reference_greedy(model, [1, 2, 3], 12)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
+def test_invalid_sampling_parameters(kwargs: dict, message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_abort_frees_blocks() -> None:
+    engine = Engine(make_model(tiny_config("tiny-llama")), config=EngineConfig(block_size=4, num_blocks=32))
+    rid = engine.add_request(list(range(1, 20)), SamplingParams(max_tokens=30, temperature=0.0))
+    engine.step()
+    assert engine.num_blocks_in_use == 5
+    engine.abort(rid)
+    assert engine.num_blocks_in_use == 0 and not engine.has_unfinished()
+
+
+# ---- the block pool and sampling, against hand-computed expectations ----------------------------------------------
+
+
+def test_block_pool_reference_counts_and_lru_eviction() -> None:
+    from tformer.inference.paged import BlockAllocator, NoFreeBlocks
+
+    allocator = BlockAllocator(num_blocks=4, block_size=2)
+    a: list[int] = []
+    allocator.grow(a, 5)  # 3 blocks for 5 tokens
+    assert a == [0, 1, 2] and allocator.pool.num_free == 1
+    allocator.register_prefix(a, [10, 11, 12, 13, 14], n_computed=5)  # two full blocks become cacheable
+    b = allocator.fork(a)
+    assert [allocator.pool.ref_counts[x] for x in a] == [2, 2, 2]
+    copies = allocator.copy_on_write(b, 4, 6)  # b writes position 4..5: block 2 is shared, so b gets a copy
+    assert [(c.src, c.dst) for c in copies] == [(2, 3)] and b == [0, 1, 3]
+    with pytest.raises(NoFreeBlocks):
+        allocator.grow(b, 8)
+    allocator.free(a)
+    allocator.free(b)
+    assert allocator.pool.num_free == 4
+    hits = allocator.match_prefix([10, 11, 12, 13, 99], max_blocks=2)
+    assert hits == [0, 1]  # the freed blocks still hold the prefix until reallocated
+    allocator.free(hits)
+    fresh: list[int] = []
+    allocator.grow(fresh, 8)  # takes all four blocks, evicting the cached prefix
+    assert allocator.match_prefix([10, 11, 12, 13], max_blocks=2) == []
+
+
+def test_copy_on_write_copies_the_block_contents() -> None:
+    from tformer.inference.paged import BlockCopy, PagedKVCache
+
+    kv = PagedKVCache(n_layers=2, num_blocks=3, block_size=2, n_kv_heads=1, head_dim=3, dtype=torch.float32)
+    for layer in kv.k + kv.v:
+        layer.copy_(torch.randn_like(layer))
+    kv.copy_blocks([BlockCopy(0, 2)])
+    for layer in kv.k + kv.v:
+        torch.testing.assert_close(layer[4:6], layer[0:2], rtol=0, atol=0)
+
+
+def test_top_k_top_p_filter_matches_the_definition() -> None:
+    from tformer.inference.sampling import filter_logits
+
+    logits = torch.log(torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15]))
+    kept = torch.isfinite(filter_logits(logits, top_k=0, top_p=0.75)).tolist()
+    assert kept == [False, True, False, True, True]  # 0.4 + 0.3 < 0.75, adding 0.15 reaches it
+    kept = torch.isfinite(filter_logits(logits, top_k=2, top_p=1.0)).tolist()
+    assert kept == [False, True, False, True, False]
+    kept = torch.isfinite(filter_logits(logits, top_k=0, top_p=0.3)).tolist()
+    assert kept == [False, True, False, False, False]  # the most likely token always survives
+
+
+def test_sampled_tokens_follow_the_tempered_distribution() -> None:
+    from tformer.inference.sampling import make_generator, sample_token
+
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0])
+    params = SamplingParams(temperature=0.7)
+    generator = make_generator(0)
+    counts = torch.bincount(torch.tensor([sample_token(logits, params, generator) for _ in range(4000)]), minlength=4)
+    expected = torch.softmax(logits / 0.7, -1) * 4000
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.3  # the 0.999 quantile of chi-square with 3 degrees of freedom
