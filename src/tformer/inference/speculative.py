@@ -1,0 +1,147 @@
+"""Speculative decoding with a draft model, batched over requests of different lengths.
+
+Each round the small draft model proposes k tokens per row; the target scores all k + 1 positions in one
+forward, and the standard rejection scheme (Leviathan et al., 2023; Chen et al., 2023) decides how many to
+keep: draft token x with draft probability q(x) survives with probability min(1, p(x) / q(x)); the first
+rejected one is replaced by a sample from norm(max(0, p - q)); if all k survive, one more token comes from
+the target's last distribution. The output follows the target's distribution exactly, and with greedy
+parameters (one-hot p and q) it is the target's own greedy output. Rows advance by different amounts, so
+each row's new tokens are placed at its own positions in contiguous KV caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tformer.inference.sampling import RequestError, SamplingParams, make_generator, sampling_probs
+from tformer.models import DecoderLM
+
+
+def accept_draft(
+    draft_tokens: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
+) -> list[int]:
+    """The tokens one row keeps: accepted draft tokens plus one from the target. q: (k, V), p: (k + 1, V)."""
+    kept = []
+    for i, token in enumerate(draft_tokens):
+        p, q = float(target_probs[i, token]), float(draft_probs[i, token])
+        if q > 0 and (p >= q or torch.rand((), generator=generator).item() < p / q):
+            kept.append(token)
+            continue
+        residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
+        total = residual.sum()
+        choice = residual / total if total > 0 else target_probs[i]
+        return kept + [int(torch.multinomial(choice, 1, generator=generator))]
+    return kept + [int(torch.multinomial(target_probs[len(draft_tokens)], 1, generator=generator))]
+
+
+@dataclass
+class SpeculativeStats:
+    """How well the draft guessed: proposed and accepted draft tokens, and target forwards."""
+
+    proposed: int = 0
+    accepted: int = 0
+    target_calls: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+class _Rows:
+    """Per-row state of a batch: token ids so far, how many each model has cached, and the row's goal."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> None:
+        self.ids = [list(p) for p in prompts]
+        self.goal = [len(p) + max_tokens for p in prompts]
+        self.target_cached = [0] * len(prompts)
+        self.draft_cached = [0] * len(prompts)
+
+    def active(self) -> list[bool]:
+        return [len(ids) < goal for ids, goal in zip(self.ids, self.goal, strict=True)]
+
+
+def _feed(model: DecoderLM, cache: list, rows: list[list[int]], starts: list[int]) -> torch.Tensor:
+    """Runs each row's tokens from its start position through the cached model; logits (B, T, V).
+
+    An empty row (a finished request) is all padding: position -1, nothing written.
+    """
+    width = max(len(r) for r in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    positions = torch.full((len(rows), width), -1, dtype=torch.long)
+    for b, (row, start) in enumerate(zip(rows, starts, strict=True)):
+        tokens[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        positions[b, : len(row)] = torch.arange(start, start + len(row))
+    device = model.lm_head.weight.device
+    return model(tokens.to(device), positions=positions.to(device), cache=cache).float()
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: DecoderLM,
+    draft: DecoderLM,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    k: int = 4,
+    stats: SpeculativeStats | None = None,
+) -> list[list[int]]:
+    """Generates params.max_tokens tokens per prompt (eos is not special here), k draft tokens per round."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise RequestError(
+            f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+            f"({target.config.vocab_size}); pick a draft trained with the same tokenizer"
+        )
+    stats = stats if stats is not None else SpeculativeStats()
+    longest = max(len(p) for p in prompts) + params.max_tokens + k + 1
+    t_cache, d_cache = target.new_cache(len(prompts), longest), draft.new_cache(len(prompts), longest)
+    rows = _Rows(prompts, params.max_tokens)
+    generator = None if params.greedy else make_generator(params.seed)
+    while any(active := rows.active()):
+        proposals, q = _propose(draft, d_cache, rows, active, params, k, generator)
+        fed = [
+            ids[start:] + prop if on else []
+            for ids, start, prop, on in zip(rows.ids, rows.target_cached, proposals, active, strict=True)
+        ]
+        logits = _feed(target, t_cache, fed, rows.target_cached)
+        stats.target_calls += 1
+        for b in (b for b, on in enumerate(active) if on):
+            n_pending = len(fed[b]) - k  # tokens not yet in the target cache, before the proposal
+            p = torch.stack([sampling_probs(logits[b, n_pending - 1 + i], params) for i in range(k + 1)])
+            kept = accept_draft(proposals[b], q[b], p, generator)
+            stats.proposed += k
+            stats.accepted += len(kept) - 1
+            rows.target_cached[b] = len(rows.ids[b]) + len(kept) - 1  # the last kept token is not cached yet
+            rows.draft_cached[b] = min(rows.draft_cached[b], rows.target_cached[b])
+            rows.ids[b] += kept
+    return [ids[len(p) : goal] for ids, p, goal in zip(rows.ids, prompts, rows.goal, strict=True)]
+
+
+def _propose(
+    draft: DecoderLM,
+    cache: list,
+    rows: _Rows,
+    active: list[bool],
+    params: SamplingParams,
+    k: int,
+    generator: torch.Generator | None,
+) -> tuple[list[list[int]], torch.Tensor]:
+    """k draft tokens per active row and the draft distributions they were drawn from, (B, k, V)."""
+    proposals: list[list[int]] = [[] for _ in rows.ids]
+    dists = []
+    for _ in range(k):
+        starts = list(rows.draft_cached)
+        fed = [
+            (ids + prop)[start:] if on else []
+            for ids, prop, start, on in zip(rows.ids, proposals, starts, active, strict=True)
+        ]
+        logits = _feed(draft, cache, fed, starts)
+        last = torch.tensor([max(len(f) - 1, 0) for f in fed], device=logits.device)
+        probs = torch.stack([sampling_probs(row, params) for row in logits[torch.arange(len(fed)), last]])  # (B, V)
+        for b in (b for b, on in enumerate(active) if on):
+            token = int(probs[b].argmax()) if params.greedy else int(torch.multinomial(probs[b], 1, generator=generator))
+            proposals[b].append(token)
+            rows.draft_cached[b] = starts[b] + len(fed[b])
+        dists.append(probs)
+    return proposals, torch.stack(dists, 1)
