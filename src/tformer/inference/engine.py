@@ -74,7 +74,7 @@ class Engine:
         self.runner = make_runner(model)
         mc = model.config
         self.max_model_len = self.config.max_model_len or mc.max_seq_len
-        weight = model.lm_head.weight
+        weight = model.decoder.tokens.weight  # the embedding stays in floating point, even when quantized
         n_layers = mc.n_decoder_layers
         self.kv = PagedKVCache(
             n_layers, self._num_blocks(mc.n_kv_heads * mc.head_dim * 2 * n_layers * weight.element_size()),

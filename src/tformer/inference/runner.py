@@ -79,7 +79,7 @@ class Seq2SeqRunner:
     def start(self, seq: Sequence) -> None:
         if seq.encoder_state is not None:
             return
-        source = torch.tensor([seq.source], device=self.model.lm_head.weight.device)  # (1, S)
+        source = torch.tensor([seq.source], device=self.model.decoder.tokens.weight.device)  # (1, S)
         memory = self.model.encode(source)
         pairs = [layer.cross_attn.project_kv(memory) for layer in self.model.decoder.layers]
         seq.encoder_state = EncoderState([k for k, _ in pairs], [v for _, v in pairs])

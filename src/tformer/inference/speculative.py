@@ -74,7 +74,7 @@ def _feed(model: DecoderLM, cache: list, rows: list[list[int]], starts: list[int
     for b, (row, start) in enumerate(zip(rows, starts, strict=True)):
         tokens[b, : len(row)] = torch.tensor(row, dtype=torch.long)
         positions[b, : len(row)] = torch.arange(start, start + len(row))
-    device = model.lm_head.weight.device
+    device = model.decoder.tokens.weight.device
     return model(tokens.to(device), positions=positions.to(device), cache=cache).float()
 
 

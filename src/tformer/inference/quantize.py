@@ -1,0 +1,113 @@
+"""Weight-only quantization of a model's linear layers: INT8 per output channel, INT4 in groups.
+
+INT8: w ≈ q * s with q in [-128, 127] and one scale s per output row (s = max|w_row| / 127).
+INT4: each group of `group_size` input weights of a row keeps a scale and a zero point:
+w ≈ (q - 8) * s + z with q in [0, 15], s = (max - min) / 15 and z = min + 8 s (gpt-fast's layout).
+Activations stay in floating point. On the CPU the matmuls use torch's packed kernels (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`), which read the small weights directly; decoding is bound by weight bytes, so
+it gets faster as well as smaller. Elsewhere INT8 runs as a matmul with the int8 weight cast to the
+activation dtype, then scaled; INT4's packing is the CPU kernel's, so INT4 models run on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANT_MODES = ("int8", "int4")
+
+
+class Int8Linear(nn.Module):
+    """y = x (q * s)^T + b with int8 q (out, in) and float scales s (out,)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scales = (weight.abs().amax(1) / 127).clamp(min=1e-12)
+        self.register_buffer("qweight", torch.round(weight / scales[:, None]).clamp(-128, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(linear.weight.dtype))
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.device.type == "cpu":
+            out = torch._weight_int8pack_mm(flat, self.qweight, self.scales.to(flat.dtype))
+        else:
+            out = F.linear(flat, self.qweight.to(flat.dtype)) * self.scales.to(flat.dtype)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W stored as 4-bit groups along the input dimension, packed for torch's kernel."""
+
+    def __init__(self, linear: nn.Linear, group_size: int = 64) -> None:
+        super().__init__()
+        out_f, in_f = linear.weight.shape
+        if linear.weight.device.type != "cpu":
+            raise ValueError("int4 weights are packed for torch's CPU kernel: quantize on the CPU, or use int8")
+        if in_f % group_size or group_size % 32 or out_f % 16:
+            raise ValueError(
+                f"int4 needs in_features divisible by group_size (a multiple of 32) and out_features by 16; "
+                f"got a {out_f}x{in_f} weight with group_size {group_size}"
+            )
+        groups = linear.weight.detach().float().view(out_f, in_f // group_size, group_size)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scales = ((high - low) / 15).clamp(min=1e-6)
+        zeros = low + 8 * scales
+        q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.view(out_f, in_f), 1))
+        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], -1).transpose(0, 1).contiguous())
+        self.bias = linear.bias
+        self.group_size, self.in_features, self.out_features = group_size, in_f, out_f
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the packed kernel multiplies by, read back through the kernel itself: I W^T = W^T."""
+        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_and_zeros).T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        sz = self.scales_and_zeros.to(flat.dtype)
+        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, sz)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+def quantize(model: nn.Module, mode: str = "int8", group_size: int = 64) -> nn.Module:
+    """Replaces every nn.Linear of `model` in place (the output head too); returns the model.
+
+    Embedding tables stay in floating point. A layer whose shape INT4's kernel cannot take stays as it is.
+    """
+    if mode not in QUANT_MODES:
+        raise ValueError(f"unknown quantization mode {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            if mode == "int8":
+                setattr(module, child_name, Int8Linear(child))
+            elif child.in_features % group_size == 0 and child.out_features % 16 == 0:
+                setattr(module, child_name, Int4Linear(child, group_size))
+    return model
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer, counting tied tensors once."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def dequantize_linear(module: nn.Module) -> torch.Tensor:
+    """The floating-point weight a quantized linear layer stands for (for tests and error reports)."""
+    if isinstance(module, (Int8Linear, Int4Linear)):
+        return module.dequantized()
+    if isinstance(module, nn.Linear):
+        return module.weight.detach().float()
+    raise TypeError(f"{type(module).__name__} is not a linear layer")
+

@@ -1,0 +1,69 @@
+"""Weight-only quantization against the plain formulas, and quantized models against their float originals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import make_model, tiny_config
+from tformer.inference.quantize import Int4Linear, Int8Linear, model_bytes, quantize
+
+
+def test_int8_matches_per_channel_formula() -> None:
+    linear = nn.Linear(64, 48)
+    layer = Int8Linear(linear)
+    weight = linear.weight.detach()
+    scales = weight.abs().amax(1) / 127
+    expected_weight = torch.round(weight / scales[:, None]).clamp(-128, 127) * scales[:, None]
+    x = torch.randn(3, 5, 64)
+    torch.testing.assert_close(layer(x), x @ expected_weight.T + linear.bias, atol=1e-5, rtol=1e-5)
+    assert (layer.dequantized() - weight).abs().max() <= scales.max() / 2 + 1e-7  # rounding error bound
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_matches_grouped_formula(group_size: int) -> None:
+    linear = nn.Linear(128, 48, bias=False)
+    layer = Int4Linear(linear, group_size)
+    groups = linear.weight.detach().view(48, -1, group_size)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = (high - low) / 15
+    q = torch.round((groups - low) / scale).clamp(0, 15)
+    expected_weight = ((q - 8) * scale + low + 8 * scale).view(48, 128)
+    x = torch.randn(7, 128)
+    torch.testing.assert_close(layer(x), x @ expected_weight.T, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(layer.dequantized(), expected_weight, atol=1e-5, rtol=1e-5)
+    assert (expected_weight - linear.weight).abs().max() <= scale.max() / 2 + 1e-6
+
+
+@pytest.mark.parametrize("mode, budget", [("int8", 0.30), ("int4", 0.20)])
+def test_quantized_model_stays_close_and_shrinks(mode: str, budget: float) -> None:
+    model = make_model(tiny_config("tiny-llama", d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=96))
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        reference = torch.softmax(model(ids), -1)
+        before = model_bytes(model)
+        quantize(model, mode, group_size=32)
+        quantized = torch.softmax(model(ids), -1)
+    n_linear = sum(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
+    assert n_linear == 2 * 4 + 2 * 3 + 1  # q, k, v, out and gate, up, down per layer, plus the head
+    assert model_bytes(model) < before
+    assert (quantized - reference).abs().sum(-1).max() < budget  # total variation distance per position
+
+
+def test_unknown_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="int8, int4"):
+        quantize(make_model(tiny_config("tiny-llama")), "int3")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_engine_serves_a_quantized_model_like_its_uncached_forward(mode: str) -> None:
+    from test_engine import reference_greedy
+    from tformer.inference import Engine, EngineConfig, SamplingParams
+
+    model = quantize(make_model(tiny_config("tiny-llama", vocab_size=96)), mode, group_size=32)
+    prompts = [[5, 6, 7, 8, 9], [3, 4], list(range(1, 18))]
+    results = Engine(model, config=EngineConfig(block_size=4, num_blocks=32)).generate(
+        prompts, SamplingParams(max_tokens=8, temperature=0.0)
+    )
+    assert [r.token_ids for r in results] == [reference_greedy(model, p, 8) for p in prompts]
