@@ -2,6 +2,7 @@
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.inference import Engine, EngineConfig, RequestError, SamplingParams
+from tformer.interop import from_gguf, tokenizer_from_gguf
 from tformer.models import CheckpointError, TransformerModel, build_model, load
 
 __version__ = "0.1.0"
@@ -16,5 +17,7 @@ __all__ = [
     "SamplingParams",
     "TransformerModel",
     "build_model",
+    "from_gguf",
     "load",
+    "tokenizer_from_gguf",
 ]

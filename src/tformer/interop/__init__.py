@@ -1,0 +1,9 @@
+"""Other projects' checkpoints in and out: Hugging Face directories and GGUF files.
+
+Only this package knows foreign weight names; everything else speaks tformer's.
+"""
+
+from tformer.interop.gguf import GGUFError, from_gguf
+from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
+
+__all__ = ["GGUFError", "from_gguf", "tokenizer_from_gguf"]

@@ -1,0 +1,284 @@
+"""Load LLaMA-architecture GGUF files (llama.cpp's format) into a tformer `DecoderLM`.
+
+A GGUF file is a header of typed key/value metadata, a table of tensor descriptions and the tensor bytes,
+which are memory-mapped and dequantized with the `gguf` package. Three things differ from a PyTorch state dict:
+
+- A tensor's shape is listed innermost dimension first (ggml's ne[0] is the row length), so a (out, in)
+  weight is described as [in, out].
+- Quantized types pack blocks of 32 or 256 values with per-block scales; they are expanded to float32 here.
+- llama.cpp applies RoPE to adjacent pairs (x0, x1), (x2, x3), ..., while LLaMA checkpoints (and tformer)
+  rotate the half-split pairs (x_i, x_{i + d/2}). llama.cpp's converter therefore permutes the rows of each
+  head of W_q and W_k (and of W_k's n_kv_heads heads under GQA); `unpermute_rope_rows` undoes that.
+
+Nothing is ever unpickled. Foreign tensor names (`blk.N.attn_q.weight`, ...) appear only in this package.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from tformer.config import ConfigError, ModelConfig
+from tformer.models import CheckpointError, DecoderLM, build_model
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_ARCHITECTURES = ("llama",)
+Q = GGMLQuantizationType
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K)
+
+# GGUF tensor name -> tformer parameter name; per-layer names get the prefixes blk.{i}. and decoder.layers.{i}.
+GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd.weight": "decoder.tokens.weight",
+    "output_norm.weight": "decoder.final_norm.weight",
+    "output.weight": "lm_head.weight",  # absent when the output projection is tied to the embedding
+}
+LAYER_TENSORS: dict[str, str] = {
+    "attn_norm.weight": "norm_attn.norm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.out_proj.weight",
+    "ffn_norm.weight": "norm_ffn.norm.weight",
+    "ffn_gate.weight": "ffn.gate_proj.weight",
+    "ffn_up.weight": "ffn.up_proj.weight",
+    "ffn_down.weight": "ffn.down_proj.weight",
+}
+# per-layer tensors whose rows llama.cpp permuted, and the config field holding their head count
+ROPE_PERMUTED: dict[str, str] = {"attn_q.weight": "n_heads", "attn_k.weight": "n_kv_heads"}
+# tensors some LLaMA-architecture files carry that need a model feature tformer lacks
+UNSUPPORTED_TENSORS: dict[str, str] = {
+    "rope_freqs.weight": "per-frequency RoPE factors (Llama 3.1-style rope scaling)",
+}
+
+# what the llama architecture fixes: pre-RMSNorm, RoPE, SwiGLU, no biases, unscaled embeddings
+LLAMA_FIELDS: dict[str, Any] = {
+    "family": "decoder", "n_encoder_layers": 0, "position": "rope", "ffn": "swiglu", "ffn_bias": False,
+    "attn_bias": False, "norm": "rmsnorm", "norm_placement": "pre", "scale_embeddings": False,
+    "init": "normal", "dropout": 0.0,
+}
+# "{arch}.<key>" metadata -> ModelConfig field
+ARCH_METADATA: dict[str, str] = {
+    "context_length": "max_seq_len",
+    "embedding_length": "d_model",
+    "block_count": "n_decoder_layers",
+    "feed_forward_length": "d_ff",
+    "attention.head_count": "n_heads",
+    "attention.head_count_kv": "n_kv_heads",
+    "attention.key_length": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "attention.layer_norm_rms_epsilon": "norm_eps",
+    "vocab_size": "vocab_size",
+}
+REQUIRED_METADATA = ("embedding_length", "block_count", "feed_forward_length", "attention.head_count")
+# "{arch}.rope.scaling.<key>" metadata -> ModelConfig field
+ROPE_SCALING_METADATA: dict[str, str] = {
+    "factor": "rope_factor",
+    "original_context_length": "rope_original_max_len",
+    "yarn_beta_fast": "yarn_beta_fast",
+    "yarn_beta_slow": "yarn_beta_slow",
+}
+ROPE_SCALING_TYPES: dict[str, str] = {"none": "none", "linear": "linear", "yarn": "yarn"}
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file is not GGUF, is truncated or corrupt, or holds something this loader does not support."""
+
+
+class _TruncatedRead(Exception):
+    def __init__(self, start: int, end: int) -> None:
+        super().__init__(start, end)
+        self.start, self.end = start, end
+
+
+class _CheckedReader(GGUFReader):
+    """GGUFReader that refuses to read past the end of the file instead of returning a short array."""
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        count = int(count)
+        try:
+            values = super()._get(offset, dtype, count, override_order)
+        except ValueError:  # the tail of the file is not a whole number of items
+            values = None
+        if values is None or values.shape[0] != count:
+            raise _TruncatedRead(int(offset), int(offset) + np.dtype(dtype).itemsize * count)
+        return values
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
+    """A reader for the GGUF file at `path` (memory-mapped), or a GGUFError saying what is wrong with it."""
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such file; pass the path of a .gguf file")
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise GGUFError(f"{path} is not a GGUF file: it starts with {magic!r}, not the magic {GGUF_MAGIC!r}")
+    try:
+        reader = _CheckedReader(path)
+    except _TruncatedRead as err:
+        raise GGUFError(
+            f"{path} is truncated: reading bytes {err.start}..{err.end} of a {size}-byte file; "
+            "the download or copy was probably cut short, fetch the file again"
+        ) from None
+    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as err:
+        raise GGUFError(f"{path}: corrupt or unsupported GGUF header: {err}") from None
+    return reader
+
+
+def metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """The value of metadata `key` (a number, string, bool or list), or `default` when absent."""
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def architecture(reader: GGUFReader, path: str | os.PathLike[str]) -> str:
+    """`general.architecture`, checked against the architectures this loader supports."""
+    arch = metadata(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"{path}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def config_from_gguf(reader: GGUFReader, path: str | os.PathLike[str]) -> ModelConfig:
+    """The ModelConfig that the file's metadata and tensor list describe."""
+    arch = architecture(reader, path)
+    missing = [f"{arch}.{key}" for key in REQUIRED_METADATA if reader.get_field(f"{arch}.{key}") is None]
+    if missing:
+        raise GGUFError(f"{path}: metadata {', '.join(missing)} missing; the file is incomplete")
+    fields = dict(LLAMA_FIELDS)
+    for key, name in ARCH_METADATA.items():
+        if (value := metadata(reader, f"{arch}.{key}")) is not None:
+            fields[name] = value
+    fields.setdefault("vocab_size", _token_count(reader))
+    names = {t.name for t in reader.tensors}
+    fields["tie_embeddings"] = "output.weight" not in names
+    pad_id = metadata(reader, "tokenizer.ggml.padding_token_id")
+    if pad_id is not None and "vocab_size" in fields and pad_id < fields["vocab_size"]:
+        fields["pad_token_id"] = pad_id
+    fields.update(_rope_scaling(reader, arch, path))
+    try:
+        config = ModelConfig.from_dict(fields, source=str(path))
+    except ConfigError as err:
+        raise GGUFError(f"{err} (the GGUF metadata describe an invalid model)") from None
+    rotary_dims = metadata(reader, f"{arch}.rope.dimension_count", config.head_dim)
+    if rotary_dims != config.head_dim:
+        raise GGUFError(
+            f"{path}: RoPE rotates {rotary_dims} of {config.head_dim} head dimensions; tformer rotates all of them"
+        )
+    return config
+
+
+def _token_count(reader: GGUFReader) -> int | None:
+    field = reader.get_field("tokenizer.ggml.tokens")
+    return None if field is None else len(field.data)
+
+
+def _rope_scaling(reader: GGUFReader, arch: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+    kind = metadata(reader, f"{arch}.rope.scaling.type")
+    if kind is None and (linear := metadata(reader, f"{arch}.rope.scale_linear")) is not None:
+        return {"rope_scaling": "linear", "rope_factor": linear}  # older files
+    if kind is None:
+        return {}
+    if kind not in ROPE_SCALING_TYPES:
+        raise GGUFError(
+            f"{path}: RoPE scaling {kind!r} is not supported; supported: {', '.join(ROPE_SCALING_TYPES)}"
+        )
+    fields = {"rope_scaling": ROPE_SCALING_TYPES[kind]}
+    for key, name in ROPE_SCALING_METADATA.items():
+        if (value := metadata(reader, f"{arch}.rope.scaling.{key}")) is not None:
+            fields[name] = value
+    return fields
+
+
+def tensor_names(config: ModelConfig) -> dict[str, str]:
+    """GGUF tensor name -> tformer parameter name, for every tensor a LLaMA file of this config holds."""
+    names = dict(GLOBAL_TENSORS)
+    if config.tie_embeddings:
+        del names["output.weight"]
+    for i in range(config.n_decoder_layers):
+        for gguf, ours in LAYER_TENSORS.items():
+            names[f"blk.{i}.{gguf}"] = f"decoder.layers.{i}.{ours}"
+    return names
+
+
+def dequantize_tensor(tensor: Any, path: str | os.PathLike[str]) -> torch.Tensor:
+    """One ReaderTensor as float32, in PyTorch's dimension order (outermost first)."""
+    if tensor.tensor_type not in SUPPORTED_TYPES:
+        supported = ", ".join(t.name for t in SUPPORTED_TYPES)
+        raise GGUFError(
+            f"{path}: unsupported quantization type {tensor.tensor_type.name} for {tensor.name}; "
+            f"supported: {supported}; re-quantize the model to one of these"
+        )
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the innermost dimension first
+    values = dequantize(tensor.data, tensor.tensor_type)
+    if values.size != int(np.prod(shape)):
+        raise GGUFError(f"{path}: {tensor.name} holds {values.size} values, but its shape {list(shape)} needs more")
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+
+
+def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of a q or k projection (n_heads * head_dim, d_model).
+
+    Within each head, llama.cpp stores row (i, half) at position 2 i + half; the half-split layout keeps it at
+    half * head_dim / 2 + i.
+    """
+    rows, cols = weight.shape
+    head_dim = rows // n_heads
+    per_pair = weight.reshape(n_heads, head_dim // 2, 2, cols)  # (H, pair, half, in) as llama.cpp stores it
+    return per_pair.transpose(1, 2).reshape(rows, cols)  # (H, half, pair, in) -> (H * head_dim, in)
+
+
+def _check_tensor_list(reader: GGUFReader, names: dict[str, str], path: str | os.PathLike[str]) -> None:
+    present = {t.name for t in reader.tensors}
+    for name, feature in UNSUPPORTED_TENSORS.items():
+        if name in present:
+            raise GGUFError(f"{path}: tensor {name} needs {feature}, which tformer does not implement")
+    missing = [name for name in names if name not in present]
+    if missing:
+        raise GGUFError(
+            f"{path}: missing tensor {missing[0]} (tformer's {names[missing[0]]})"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            + "; the file is incomplete or its block_count metadata is wrong"
+        )
+    unexpected = sorted(present - set(names))
+    if unexpected:
+        raise GGUFError(f"{path}: unexpected tensors {unexpected[:5]}: this is not a plain LLaMA model")
+
+
+def from_gguf(path: str | os.PathLike[str]) -> DecoderLM:
+    """A tformer DecoderLM (float32, on the CPU, in eval mode) with the weights of a LLaMA GGUF file."""
+    reader = open_gguf(path)
+    config = config_from_gguf(reader, path)
+    names = tensor_names(config)
+    _check_tensor_list(reader, names, path)
+    model = build_model(config)
+    if set(names.values()) != set(dict(model.named_parameters())):
+        raise RuntimeError("tformer's LLaMA parameters changed; update tformer.interop.gguf.LAYER_TENSORS")
+    by_name = {t.name: t for t in reader.tensors}
+    with torch.no_grad():
+        for gguf_name, ours in names.items():
+            param = model.get_parameter(ours)
+            param.copy_(_read_weight(by_name[gguf_name], config, tuple(param.shape), ours, path))
+    return model.eval()
+
+
+def _read_weight(
+    tensor: Any, config: ModelConfig, shape: tuple[int, ...], ours: str, path: str | os.PathLike[str]
+) -> torch.Tensor:
+    value = dequantize_tensor(tensor, path)
+    if tuple(value.shape) != shape:
+        raise GGUFError(
+            f"{path}: {tensor.name} has shape {list(value.shape)}, but the metadata imply {list(shape)} "
+            f"for {ours}; the file's metadata and tensors disagree"
+        )
+    heads_field = ROPE_PERMUTED.get(tensor.name.split(".", 2)[-1]) if tensor.name.startswith("blk.") else None
+    return value if heads_field is None else unpermute_rope_rows(value, getattr(config, heads_field))
