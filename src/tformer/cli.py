@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import DataError
+from tformer.inference import RequestError
 from tformer.models import CheckpointError
 from tformer.training.trainer import TrainingDiverged
 
@@ -112,6 +113,45 @@ def viz(kind: str, target: str, *, out: str, length: int = 100) -> None:
     print(f"wrote {out}")
 
 
+def generate(
+    prompts: list[str],
+    *,
+    model: str,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    chat: bool = True,
+    quantize: str | None = None,
+) -> None:
+    """Generate text from prompts given as arguments, or one per line from stdin, streaming as it goes.
+
+    model: a .gguf file, a tformer checkpoint directory or a Hugging Face model directory
+    prompts: the prompts; none means read stdin
+    temperature: 0 is greedy
+    chat: wrap each prompt as a user message with the tokenizer's chat template, when it has one
+    quantize: int8 or int4 weight-only quantization of the linear layers (default: none)
+    """
+    from tformer.inference import Engine, SamplingParams
+    from tformer.inference.quantize import quantize as quantize_model
+    from tformer.interop.loading import load_pretrained
+
+    net, tokenizer = load_pretrained(model)
+    if tokenizer is None:
+        raise CheckpointError(f"{model} has no tokenizer.json; `tformer generate` needs one to read text prompts")
+    if quantize:
+        quantize_model(net, quantize)
+    engine = Engine(net, tokenizer)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    for prompt in prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]:
+        if chat and tokenizer.chat_template:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        for piece in engine.stream(prompt, params):
+            print(piece.text, end="", flush=True)
+        print()
+
+
 def presets() -> None:
     """List the named model configurations."""
     from tformer.presets import PRESETS
@@ -124,6 +164,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "train": train,
     "eval": evaluate,
     "translate": translate,
+    "generate": generate,
     "average": average,
     "info": info,
     "viz": viz,
@@ -178,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.pop("_command")
     try:
         command(**args)
-    except (ConfigError, CheckpointError, DataError, TrainingDiverged) as err:
+    except (ConfigError, CheckpointError, DataError, TrainingDiverged, RequestError) as err:
         print(f"tformer: error: {err}", file=sys.stderr)
         return 2
     return 0

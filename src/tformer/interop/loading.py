@@ -1,0 +1,40 @@
+"""One entry point for serving and generation: any supported model file or directory, with its tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
+from tformer.data.tokenizer import Tokenizer
+from tformer.interop.gguf import GGUF_MAGIC, from_gguf
+from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
+from tformer.models import CONFIG_FILE, CheckpointError, TransformerModel, load
+
+HF_CONFIG_FILE = "config.json"
+
+
+def load_pretrained(path: str | os.PathLike[str]) -> tuple[TransformerModel, Tokenizer | None]:
+    """(model, tokenizer) from a GGUF file, a tformer checkpoint directory or a Hugging Face directory.
+
+    The tokenizer is None when a directory has no tokenizer.json (token ids must then be given directly).
+    """
+    path = Path(path)
+    if path.is_file():
+        with open(path, "rb") as handle:
+            if handle.read(4) != GGUF_MAGIC:
+                raise CheckpointError(f"{path} is not a GGUF file; pass a .gguf file or a model directory")
+        return from_gguf(path), tokenizer_from_gguf(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} does not exist; pass a .gguf file or a model directory")
+    tokenizer = Tokenizer.load(path) if (path / TOKENIZER_FILE).is_file() else None
+    if (path / CONFIG_FILE).is_file():
+        return load(path), tokenizer
+    if (path / HF_CONFIG_FILE).is_file():
+        from tformer.interop.hf import from_hf
+
+        return from_hf(path), tokenizer
+    raise CheckpointError(
+        f"{path} holds neither {CONFIG_FILE} (a tformer checkpoint) nor {HF_CONFIG_FILE} (a Hugging Face model); "
+        "for a training run, pass one of its checkpoints/step-* directories"
+    )
