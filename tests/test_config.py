@@ -56,6 +56,9 @@ def test_int_is_accepted_for_float_fields():
         ({"tgt_vocab_size": 100}, "share_embeddings needs one joint vocabulary"),
         ({"family": "decoder", "n_decoder_layers": 0}, "needs n_decoder_layers >= 1"),
         ({"pad_token_id": 50000}, "pad_token_id (50000) must be a token id below vocab_size"),
+        ({"sinusoidal_layout": "spilt"}, "unknown sinusoidal_layout 'spilt'; did you mean 'split'?"),
+        ({"family": "encoder", "encoder_head": "pooler"}, "unknown encoder_head 'pooler'; choose one of: mlm, none"),
+        ({"encoder_head": "none"}, "encoder_head 'none' applies to family 'encoder' only"),
     ],
 )
 def test_config_errors_say_what_to_change(overrides, message):

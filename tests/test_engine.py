@@ -99,6 +99,7 @@ def test_prefix_cache_hits_give_the_same_tokens() -> None:
     rid = engine.add_request(prompts[1], GREEDY)
     engine.step()
     assert engine.sequences[rid].n_computed == 14  # 12 of 13 shared tokens came from 3 cached blocks, +2 computed
+    assert engine.scheduler.prefix_hit_tokens == 12
     rest = engine.generate([prompts[2]], GREEDY)[0]
     while engine.has_unfinished():
         engine.step()

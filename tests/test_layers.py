@@ -132,20 +132,24 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(x)
 
 
+def relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(torch.zeros(()), x)
+
+
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """x W + b with W stored (out, in) as torch does."""
     out = x @ layer.weight.T
     return out if layer.bias is None else out + layer.bias
 
 
-@pytest.mark.parametrize("name", ["relu", "gelu", "gelu-tanh"])
+@pytest.mark.parametrize("name", ["relu", "gelu", "gelu-tanh", "silu"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_mlp_matches_formula(name: str, bias: bool) -> None:
     config = tiny_config(ffn=name, ffn_bias=bias)
     ffn = randomize(make_ffn(config))
     x = torch.randn(2, 5, config.d_model)
     hidden = linear(x, ffn.up_proj)
-    act = {"relu": lambda h: torch.maximum(torch.zeros(()), h), "gelu": gelu_exact, "gelu-tanh": gelu_tanh}[name]
+    act = {"relu": relu, "gelu": gelu_exact, "gelu-tanh": gelu_tanh, "silu": silu}[name]
     expected = linear(act(hidden), ffn.down_proj)  # max(0, x W1 + b1) W2 + b2 for ReLU
     torch.testing.assert_close(ffn(x), expected, atol=1e-4, rtol=1e-5)
 
@@ -163,21 +167,28 @@ def test_gated_ffn_matches_formula(name: str, act, bias: bool) -> None:
 # ---- sinusoidal positions -----------------------------------------------------------------------------------------
 
 
+# where the sine and the cosine of frequency pair i go among d channels
+SINUSOIDAL_COLUMNS = {"interleaved": lambda i, d: (2 * i, 2 * i + 1), "split": lambda i, d: (i, d // 2 + i)}
+
+
+@pytest.mark.parametrize("layout", SINUSOIDAL_COLUMNS)
 @pytest.mark.parametrize("base", [10000.0, 500.0])
-def test_sinusoidal_table_matches_paper(base: float) -> None:
+def test_sinusoidal_table_matches_paper(base: float, layout: str) -> None:
     n, d = 12, 10
     expected = torch.zeros(n, d)
     for t in range(n):
         for i in range(d // 2):
-            expected[t, 2 * i] = math.sin(t / base ** (2 * i / d))
-            expected[t, 2 * i + 1] = math.cos(t / base ** (2 * i / d))
-    torch.testing.assert_close(sinusoidal_table(n, d, base), expected, atol=1e-6, rtol=0)
+            sin_column, cos_column = SINUSOIDAL_COLUMNS[layout](i, d)
+            expected[t, sin_column] = math.sin(t / base ** (2 * i / d))
+            expected[t, cos_column] = math.cos(t / base ** (2 * i / d))
+    torch.testing.assert_close(sinusoidal_table(n, d, base, layout), expected, atol=1e-6, rtol=0)
 
 
-def test_sinusoidal_scheme_uses_the_configured_base() -> None:
-    config = tiny_config("tiny-transformer", sinusoidal_base=1000.0)
+@pytest.mark.parametrize("layout", SINUSOIDAL_COLUMNS)
+def test_sinusoidal_scheme_uses_the_configured_base_and_layout(layout: str) -> None:
+    config = tiny_config("tiny-transformer", sinusoidal_base=1000.0, sinusoidal_layout=layout)
     positions = torch.tensor([[0, 3, 5, 63]])
-    expected = sinusoidal_table(config.max_seq_len, config.d_model, 1000.0)[positions]
+    expected = sinusoidal_table(config.max_seq_len, config.d_model, 1000.0, layout)[positions]
     torch.testing.assert_close(make_positions(config).embed(positions), expected, atol=0, rtol=0)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from conftest import logits, make_model, tiny_config, tokens, with_config
 import tformer
 from tformer import ModelConfig, TransformerModel
 from tformer.config import ATTENTION_BACKEND_NAMES, NORM_PLACEMENTS, POSITION_NAMES
+from tformer.interop.hf import to_hf
 from tformer.layers import sinusoidal_table
 
 # ---- causality ----------------------------------------------------------------------------------------------------
@@ -379,69 +381,15 @@ def randomize_norms(model: TransformerModel) -> TransformerModel:
     return model
 
 
-def llama_state(model: TransformerModel) -> dict[str, torch.Tensor]:
-    """tformer names -> LlamaForCausalLM / MistralForCausalLM names."""
-    renames = {
-        "decoder.tokens.": "model.embed_tokens.", "decoder.final_norm.": "model.norm.",
-        "decoder.layers.": "model.layers.",
-        ".out_proj.": ".o_proj.", ".ffn.": ".mlp.", ".norm_attn.norm.": ".input_layernorm.",
-        ".norm_ffn.norm.": ".post_attention_layernorm.",
-    }
-    state = {}
-    for name, value in model.state_dict().items():
-        for old, new in renames.items():
-            name = name.replace(old, new)
-        state[name] = value
-    return state
+def in_transformers(model: TransformerModel, path: Path, auto_class: str):
+    """The same model in transformers: written by tformer.interop.hf.to_hf, read by transformers (eager attention)."""
+    import transformers
+
+    to_hf(model, path)
+    return getattr(transformers, auto_class).from_pretrained(path, attn_implementation="eager").eval()
 
 
-def gpt2_state(model: TransformerModel) -> dict[str, torch.Tensor]:
-    """tformer names -> GPT2LMHeadModel names; GPT-2's Conv1D stores weights (in, out) and fuses q, k, v."""
-    ours = model.state_dict()
-    state = {
-        "transformer.wte.weight": ours["decoder.tokens.weight"], "lm_head.weight": ours["decoder.tokens.weight"],
-        "transformer.wpe.weight": ours["decoder.positions.embedding.weight"],
-        "transformer.ln_f.weight": ours["decoder.final_norm.weight"],
-        "transformer.ln_f.bias": ours["decoder.final_norm.bias"],
-    }
-    for i in range(model.config.n_decoder_layers):
-        p, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
-        qkv = [f"{p}self_attn.{x}_proj" for x in "qkv"]
-        state[h + "attn.c_attn.weight"] = torch.cat([ours[n + ".weight"] for n in qkv]).T
-        state[h + "attn.c_attn.bias"] = torch.cat([ours[n + ".bias"] for n in qkv])
-        for theirs, mine in [("attn.c_proj", "self_attn.out_proj"), ("mlp.c_fc", "ffn.up_proj"),
-                             ("mlp.c_proj", "ffn.down_proj"), ("ln_1", "norm_attn.norm"), ("ln_2", "norm_ffn.norm")]:
-            transpose = not theirs.startswith("ln")
-            state[h + theirs + ".weight"] = ours[p + mine + ".weight"].T if transpose else ours[p + mine + ".weight"]
-            state[h + theirs + ".bias"] = ours[p + mine + ".bias"]
-    return state
-
-
-def bert_state(model: TransformerModel) -> dict[str, torch.Tensor]:
-    """tformer names -> BertForMaskedLM names."""
-    renames = {
-        "encoder.tokens.": "bert.embeddings.word_embeddings.",
-        "encoder.positions.embedding.": "bert.embeddings.position_embeddings.",
-        "encoder.token_types.": "bert.embeddings.token_type_embeddings.",
-        "encoder.embed_norm.": "bert.embeddings.LayerNorm.", "encoder.layers.": "bert.encoder.layer.",
-        ".self_attn.q_proj.": ".attention.self.query.", ".self_attn.k_proj.": ".attention.self.key.",
-        ".self_attn.v_proj.": ".attention.self.value.", ".self_attn.out_proj.": ".attention.output.dense.",
-        ".norm_attn.norm.": ".attention.output.LayerNorm.", ".ffn.up_proj.": ".intermediate.dense.",
-        ".ffn.down_proj.": ".output.dense.", ".norm_ffn.norm.": ".output.LayerNorm.",
-        "mlm_head.dense.": "cls.predictions.transform.dense.",
-        "mlm_head.norm.": "cls.predictions.transform.LayerNorm.",
-        "mlm_head.lm_head.weight": "cls.predictions.decoder.weight", "mlm_head.lm_head.bias": "cls.predictions.bias",
-    }
-    state = {}
-    for name, value in model.state_dict().items():
-        for old, new in renames.items():
-            name = name.replace(old, new)
-        state[name] = value
-    state["cls.predictions.decoder.bias"] = state["cls.predictions.bias"]
-    return state
-
-
-LLAMA_ROPE = {
+LLAMA_ROPE = {  # tformer's fields and the rope_parameters transformers must see for them
     "none": ({}, {"rope_type": "default"}),
     "linear": ({"rope_scaling": "linear", "rope_factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
     "yarn": (
@@ -453,57 +401,48 @@ LLAMA_ROPE = {
 
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("rope", LLAMA_ROPE)
-def test_llama_matches_transformers(rope: str, window: int | None) -> None:
-    from transformers import MistralConfig, MistralForCausalLM
-
+def test_llama_matches_transformers(rope: str, window: int | None, tmp_path: Path) -> None:
     ours_rope, hf_rope = LLAMA_ROPE[rope]
     config = tiny_config("tiny-llama", rope_theta=500.0, sliding_window=window, **ours_rope)
     model = randomize_norms(make_model(config))
-    hf_config = MistralConfig(  # Mistral is LLaMA plus an optional sliding window
-        vocab_size=97, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=config.norm_eps, sliding_window=window,
-        rope_parameters={"rope_theta": 500.0, **hf_rope}, tie_word_embeddings=False, attn_implementation="eager",
-    )
-    hf = MistralForCausalLM(hf_config).eval()
-    hf.load_state_dict(llama_state(model), strict=True)
+    hf = in_transformers(model, tmp_path, "AutoModelForCausalLM")
+    assert type(hf).__name__ == ("LlamaForCausalLM" if window is None else "MistralForCausalLM")  # Mistral: + window
+    written = json.loads((tmp_path / "config.json").read_text())["rope_parameters"]
+    assert {"rope_theta": 500.0, **hf_rope}.items() <= written.items()
     ids = tokens(2, 12, 97)
     with torch.no_grad():
         torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_gpt2_matches_transformers() -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
+def test_gpt2_matches_transformers(tmp_path: Path) -> None:
     model = randomize_norms(make_model(tiny_config("tiny-gpt2")))
-    hf_config = GPT2Config(
-        vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4, activation_function="gelu_new",
-        layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1,
-        attn_implementation="eager",
-    )
-    hf = GPT2LMHeadModel(hf_config).eval()
-    hf.load_state_dict(gpt2_state(model), strict=True)
+    hf = in_transformers(model, tmp_path, "AutoModelForCausalLM")
+    assert type(hf).__name__ == "GPT2LMHeadModel" and hf.config.activation_function == "gelu_new"
     ids = tokens(2, 12, 97)
     with torch.no_grad():
         torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_bert_matches_transformers() -> None:
-    from transformers import BertConfig, BertForMaskedLM
-
+def test_bert_matches_transformers(tmp_path: Path) -> None:
     model = randomize_norms(make_model(tiny_config("tiny-bert")))
-    hf_config = BertConfig(
-        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        hidden_act="gelu", max_position_embeddings=64, type_vocab_size=2, layer_norm_eps=1e-12,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager",
-    )
-    hf = BertForMaskedLM(hf_config).eval()
-    hf.load_state_dict(bert_state(model), strict=True)
+    hf = in_transformers(model, tmp_path, "AutoModelForMaskedLM")
+    assert type(hf).__name__ == "BertForMaskedLM"
     ids, types = tokens(2, 10, 97), torch.tensor([[0] * 4 + [1] * 6, [0] * 7 + [1] * 3])
     mask = torch.tensor([[1] * 10, [1] * 7 + [0] * 3])  # right padding
     with torch.no_grad():
         ours, theirs = model(ids, mask, types), hf(ids, attention_mask=mask, token_type_ids=types).logits
     kept = mask.bool()  # transformers leaves padded positions unspecified
     torch.testing.assert_close(ours[kept], theirs[kept], atol=1e-5, rtol=1e-5)
+
+
+def test_encoder_without_head_returns_the_hidden_states() -> None:
+    mlm = make_model(tiny_config("tiny-bert"))
+    headless = make_model(tiny_config("tiny-bert", encoder_head="none"), seed=1)
+    missing, unexpected = headless.load_state_dict(mlm.state_dict(), strict=False)
+    assert not missing and all(name.startswith("mlm_head.") for name in unexpected)
+    ids, mask = tokens(2, 10, 97), torch.tensor([[1] * 10, [1] * 7 + [0] * 3])
+    with torch.no_grad():
+        torch.testing.assert_close(headless(ids, mask), mlm.encode(ids, mask), atol=0, rtol=0)
 
 
 def test_alibi_bias_reaches_every_layer() -> None:

@@ -2,7 +2,7 @@
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.inference import Engine, EngineConfig, RequestError, SamplingParams
-from tformer.interop import from_gguf, tokenizer_from_gguf
+from tformer.interop import from_gguf, from_hf, load_pretrained, to_hf, tokenizer_from_gguf
 from tformer.models import CheckpointError, TransformerModel, build_model, load
 
 __version__ = "0.1.0"
@@ -18,6 +18,9 @@ __all__ = [
     "TransformerModel",
     "build_model",
     "from_gguf",
+    "from_hf",
     "load",
+    "load_pretrained",
+    "to_hf",
     "tokenizer_from_gguf",
 ]

@@ -107,7 +107,8 @@ def viz(kind: str, target: str, *, out: str, length: int = 100) -> None:
         from tformer.layers import sinusoidal_table
 
         config = ModelConfig.from_file(target) if Path(target).is_file() else ModelConfig.from_preset(target)
-        plots.plot_positional_encoding(sinusoidal_table(length, config.d_model, config.sinusoidal_base), out)
+        table = sinusoidal_table(length, config.d_model, config.sinusoidal_base, config.sinusoidal_layout)
+        plots.plot_positional_encoding(table, out)
     else:
         raise ConfigError(f"unknown figure '{kind}'; choose 'curves' or 'positions'")
     print(f"wrote {out}")
@@ -152,6 +153,27 @@ def generate(
         print()
 
 
+def convert(source: str, *, out: str, to: str = "tformer") -> None:
+    """Convert a model: a GGUF file or Hugging Face directory to a tformer checkpoint, or any of them to HF format.
+
+    source: a .gguf file, a Hugging Face model directory or a tformer checkpoint directory
+    out: the directory to write
+    to: 'tformer' (config.yaml, model.safetensors, tokenizer) or 'hf' (config.json, model.safetensors, tokenizer)
+    """
+    from tformer.interop import load_pretrained, to_hf
+
+    if to not in ("tformer", "hf"):
+        raise ConfigError(f"unknown target format '{to}'; choose 'tformer' or 'hf'")
+    model, tokenizer = load_pretrained(source)
+    if to == "tformer":
+        model.save(out)
+    else:
+        to_hf(model, out)
+    if tokenizer is not None:
+        tokenizer.save(out)
+    print(f"wrote {type(model).__name__} ({model.num_parameters():,} parameters) to {out} in {to} format")
+
+
 def presets() -> None:
     """List the named model configurations."""
     from tformer.presets import PRESETS
@@ -165,6 +187,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "eval": evaluate,
     "translate": translate,
     "generate": generate,
+    "convert": convert,
     "average": average,
     "info": info,
     "viz": viz,

@@ -15,12 +15,14 @@ import yaml
 
 FAMILIES = ("encoder-decoder", "decoder", "encoder")
 POSITION_NAMES = ("sinusoidal", "learned", "rope", "alibi", "none")
+SINUSOIDAL_LAYOUT_NAMES = ("interleaved", "split")
 ROPE_SCALINGS = ("none", "linear", "dynamic-ntk", "yarn")
-FFN_NAMES = ("relu", "gelu", "gelu-tanh", "swiglu", "geglu")
+FFN_NAMES = ("relu", "gelu", "gelu-tanh", "silu", "swiglu", "geglu")
 NORM_NAMES = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 ATTENTION_BACKEND_NAMES = ("sdpa", "math")
 INIT_NAMES = ("xavier", "gpt2", "normal")
+ENCODER_HEAD_NAMES = ("mlm", "none")
 
 
 class ConfigError(ValueError):
@@ -130,6 +132,7 @@ class ModelConfig(ConfigBase):
     # positions
     position: str = "sinusoidal"
     sinusoidal_base: float = 10000.0
+    sinusoidal_layout: str = "interleaved"  # "interleaved": sin, cos per pair (the paper); "split": sines, then cosines
     rope_theta: float = 10000.0
     rope_scaling: str = "none"
     rope_factor: float = 1.0
@@ -152,6 +155,7 @@ class ModelConfig(ConfigBase):
     tie_embeddings: bool = True  # output projection shares the (target) token embedding
     share_embeddings: bool = True  # encoder-decoder: source and target share one embedding
     lm_head_bias: bool = False
+    encoder_head: str = "mlm"  # family 'encoder': "mlm" outputs vocabulary logits, "none" the hidden states
 
     # attention
     sliding_window: int | None = None
@@ -204,12 +208,14 @@ class ModelConfig(ConfigBase):
     def _check_values(self) -> None:
         _check_choice("family", self.family, FAMILIES)
         _check_choice("position", self.position, POSITION_NAMES)
+        _check_choice("sinusoidal_layout", self.sinusoidal_layout, SINUSOIDAL_LAYOUT_NAMES)
         _check_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
         _check_choice("ffn", self.ffn, FFN_NAMES)
         _check_choice("norm", self.norm, NORM_NAMES)
         _check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKEND_NAMES)
         _check_choice("init", self.init, INIT_NAMES)
+        _check_choice("encoder_head", self.encoder_head, ENCODER_HEAD_NAMES)
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -261,6 +267,11 @@ class ModelConfig(ConfigBase):
             raise ConfigError(
                 f"share_embeddings needs one joint vocabulary, but vocab_size={self.vocab_size} and "
                 f"tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings: false or use a joint vocabulary"
+            )
+        if self.encoder_head != "mlm" and self.family != "encoder":
+            raise ConfigError(
+                f"encoder_head '{self.encoder_head}' applies to family 'encoder' only, but family is '{self.family}'; "
+                f"remove encoder_head"
             )
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ConfigError(f"pad_token_id ({self.pad_token_id}) must be a token id below vocab_size")

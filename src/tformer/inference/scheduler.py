@@ -74,6 +74,7 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
         self.prefix_caching = prefix_caching
+        self.prefix_hit_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -128,6 +129,7 @@ class Scheduler:
                 max_hits = (len(seq.tokens) - 1) // self.allocator.block_size
                 seq.table = self.allocator.match_prefix(seq.tokens, max_hits)
                 seq.n_computed = len(seq.table) * self.allocator.block_size
+                self.prefix_hit_tokens += seq.n_computed
             n = min(seq.n_pending, budget)
             if not self.allocator.can_grow(seq.table, seq.n_computed + n):
                 break

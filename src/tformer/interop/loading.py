@@ -9,6 +9,7 @@ from tformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from tformer.data.tokenizer import Tokenizer
 from tformer.interop.gguf import GGUF_MAGIC, from_gguf
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
+from tformer.interop.hf import from_hf
 from tformer.models import CONFIG_FILE, CheckpointError, TransformerModel, load
 
 HF_CONFIG_FILE = "config.json"
@@ -31,8 +32,6 @@ def load_pretrained(path: str | os.PathLike[str]) -> tuple[TransformerModel, Tok
     if (path / CONFIG_FILE).is_file():
         return load(path), tokenizer
     if (path / HF_CONFIG_FILE).is_file():
-        from tformer.interop.hf import from_hf
-
         return from_hf(path), tokenizer
     raise CheckpointError(
         f"{path} holds neither {CONFIG_FILE} (a tformer checkpoint) nor {HF_CONFIG_FILE} (a Hugging Face model); "

@@ -41,16 +41,20 @@ def build_mask(
     window: int | None = None,
     position_bias: torch.Tensor | None = None,
     query_slots: torch.Tensor | None = None,
+    prefix_lengths: torch.Tensor | None = None,
 ) -> AttentionMask:
     """Combines causal, sliding-window and padding masks with a position bias, once per forward.
 
     Queries are the last `n_queries` of the `n_keys` positions (so a cache's new tokens line up at the end),
     or, when given, sit at `query_slots` (B|1, Tq): a batch of sequences at different positions.
-    `key_padding` is (B, Tk) with True for real tokens. A fully masked row gets uniform weights, not NaN.
+    `key_padding` is (B, Tk) with True for real tokens. `prefix_lengths` (B,) makes the first slots of each
+    row a bidirectional prefix (prefix LM): they see each other both ways, the rest stays causal.
+    A fully masked row gets uniform weights, not NaN.
     """
     if window is not None and window >= n_keys:
         window = None
-    if key_padding is None and window is None and position_bias is None and query_slots is None:
+    simple = key_padding is None and window is None and position_bias is None
+    if simple and query_slots is None and prefix_lengths is None:
         if not causal:
             return AttentionMask()
         if n_queries == n_keys:
@@ -62,6 +66,9 @@ def build_mask(
     allowed = torch.ones(1, 1, n_queries, n_keys, dtype=torch.bool, device=device)
     if causal:
         allowed = allowed & (k_idx <= q_idx)
+    if prefix_lengths is not None:
+        prefix = prefix_lengths[:, None, None, None]  # (B, 1, 1, 1)
+        allowed = allowed | ((q_idx < prefix) & (k_idx < prefix))
     if window is not None:
         allowed = allowed & (q_idx - k_idx < window)  # (B|1, 1, Tq, Tk)
     if key_padding is not None:

@@ -1,4 +1,4 @@
-"""Position-wise feed-forward networks: the paper's two-layer MLP and the gated (GLU) variants."""
+"""Position-wise feed-forward networks: the paper's two-layer MLP (ReLU, GELU, SiLU) and the gated (GLU) variants."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU,
     "gelu": nn.GELU,
     "gelu-tanh": lambda: nn.GELU(approximate="tanh"),
+    "silu": nn.SiLU,  # a plain (not gated) Swish MLP, as in Marian
     "swiglu": nn.SiLU,  # Swish with beta = 1
     "geglu": nn.GELU,
 }
@@ -49,6 +50,7 @@ FFNS: dict[str, type[nn.Module]] = {
     "relu": MLP,
     "gelu": MLP,
     "gelu-tanh": MLP,
+    "silu": MLP,
     "swiglu": GatedMLP,
     "geglu": GatedMLP,
 }

@@ -9,6 +9,7 @@ Every scheme answers the same three questions, so a model never branches on the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -34,13 +35,21 @@ class PositionScheme(nn.Module):
         return None
 
 
-def sinusoidal_table(n_positions: int, dim: int, base: float = 10000.0) -> torch.Tensor:
-    """PE[t, 2i] = sin(t / base^(2i/d)), PE[t, 2i+1] = cos(t / base^(2i/d)), shape (n_positions, dim)."""
+SINUSOIDAL_LAYOUTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "interleaved": lambda sin, cos: torch.stack([sin, cos], dim=-1).flatten(-2),  # sin, cos, sin, cos, ...
+    "split": lambda sin, cos: torch.cat([sin, cos], dim=-1),  # every sine, then every cosine (Marian, fairseq)
+}
+
+
+def sinusoidal_table(n_positions: int, dim: int, base: float = 10000.0, layout: str = "interleaved") -> torch.Tensor:
+    """The paper's PE[t, 2i] = sin(t / base^(2i/d)), PE[t, 2i+1] = cos(t / base^(2i/d)), shape (n_positions, dim).
+
+    `layout` "split" puts the same values in another order: PE[t, i] = sin(...), PE[t, d/2 + i] = cos(...).
+    """
     t = torch.arange(n_positions, dtype=torch.float64)[:, None]
     inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     angles = t * inv_freq  # (n_positions, dim/2)
-    table = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)  # interleave sin, cos
-    return table.float()
+    return SINUSOIDAL_LAYOUTS[layout](angles.sin(), angles.cos()).float()
 
 
 class SinusoidalPositions(PositionScheme):
@@ -48,7 +57,7 @@ class SinusoidalPositions(PositionScheme):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        table = sinusoidal_table(config.max_seq_len, config.d_model, config.sinusoidal_base)
+        table = sinusoidal_table(config.max_seq_len, config.d_model, config.sinusoidal_base, config.sinusoidal_layout)
         self.register_buffer("table", table, persistent=False)
 
     def embed(self, positions: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ class TransformerModel(nn.Module):
 
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> TransformerModel:
-    """Loads a checkpoint directory written by `model.save`."""
+    """Loads a checkpoint directory written by `model.save`, in eval mode (call `.train()` to train on)."""
     from tformer.models import build_model
 
     path = Path(path)
@@ -69,4 +69,4 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> TransformerMod
             f"{path / WEIGHTS_FILE} does not match {CONFIG_FILE}: missing {sorted(missing)}, "
             f"unexpected {sorted(unexpected)}"
         )
-    return model.to(device)
+    return model.to(device).eval()

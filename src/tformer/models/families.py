@@ -1,4 +1,4 @@
-"""The three Transformer families: encoder-decoder, decoder-only language model, encoder with MLM head."""
+"""The three Transformer families: encoder-decoder, decoder-only language model, encoder (with an MLM head or none)."""
 
 from __future__ import annotations
 
@@ -83,13 +83,16 @@ class DecoderLM(TransformerModel):
         positions: torch.Tensor | None = None,
         cache: list[LayerCache] | None = None,
         start: int = 0,
+        prefix_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Tokens (B, T) -> next-token logits (B, T, V).
 
         With a `cache` from `new_cache`, input_ids are the new tokens after `start` cached ones and
-        attention_mask (if any) covers all start+T positions.
+        attention_mask (if any) covers all start+T positions. With `prefix_lengths` (B,) the first tokens of
+        each row form a bidirectional prefix (a prefix LM, as in UniLM and T5's prefix-LM objective).
         """
-        return self.lm_head(self.decoder(input_ids, attention_mask, positions, cache=cache, start=start))
+        hidden = self.decoder(input_ids, attention_mask, positions, cache=cache, start=start, prefix_lengths=prefix_lengths)
+        return self.lm_head(hidden)
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
         """Empty KV caches for `batch_size` sequences of up to `max_len` tokens."""
@@ -110,14 +113,18 @@ class MLMHead(nn.Module):
         return self.lm_head(self.norm(self.act(self.dense(hidden))))
 
 
+# what an encoder puts on top of its hidden states; nn.Identity ignores the (config, tokens) arguments
+ENCODER_HEADS: dict[str, type[nn.Module]] = {"mlm": MLMHead, "none": nn.Identity}
+
+
 class EncoderMLM(TransformerModel):
-    """A bidirectional encoder (BERT) with a masked-language-model head."""
+    """A bidirectional encoder (BERT): with `encoder_head` "mlm" a masked-language-model head, with "none" none."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.encoder = TransformerStack(config, "encoder", tokens)
-        self.mlm_head = MLMHead(config, tokens)
+        self.mlm_head = ENCODER_HEADS[config.encoder_head](config, tokens)
 
     def encode(
         self,
@@ -134,7 +141,7 @@ class EncoderMLM(TransformerModel):
         attention_mask: torch.Tensor | None = None,
         token_types: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Tokens (B, T) -> vocabulary logits (B, T, V) at every position."""
+        """Tokens (B, T) -> vocabulary logits (B, T, V) at every position; hidden states (B, T, d) without a head."""
         return self.mlm_head(self.encode(input_ids, attention_mask, token_types))
 
 

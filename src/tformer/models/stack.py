@@ -75,8 +75,11 @@ class TransformerStack(nn.Module):
         memory_padding: torch.Tensor | None = None,
         cache: list[LayerCache] | None = None,
         start: int = 0,
+        prefix_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens (B, T) -> hidden states (B, T, d). Masks are 1 for real tokens.
+
+        `prefix_lengths` (B,) turns a causal stack into a prefix LM: each row's first slots attend both ways.
 
         Without a cache, attention_mask and positions are (B, T). With a `cache` (incremental decoding):
         - either `tokens` sit at positions start..start+T-1 after the cached ones, and attention_mask (if any)
@@ -102,7 +105,8 @@ class TransformerStack(nn.Module):
         dtype, device = compute_dtype(x), x.device
         position_bias = self.positions.attention_bias(positions, key_positions)
         mask = build_mask(
-            tokens.shape[1], attention_mask, n_keys, self.causal, dtype, device, self.window, position_bias, query_slots
+            tokens.shape[1], attention_mask, n_keys, self.causal, dtype, device, self.window, position_bias,
+            query_slots, prefix_lengths,
         )
         rotary = self.positions.rotary(positions)
         memory_mask = None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import sacrebleu
 import torch
 
-from tformer.data import Tokenizer
+from tformer.data import LMBatch, Seq2SeqBatch, Tokenizer
 from tformer.inference import translate_ids
 from tformer.models import EncoderDecoder, TransformerModel
 
@@ -53,13 +53,22 @@ def evaluate_translation(
     return TranslationResult(score.score, str(bleu.get_signature()), sources, hypotheses, references)
 
 
+def forward_logits(model: TransformerModel, batch: Seq2SeqBatch | LMBatch) -> torch.Tensor:
+    """Logits aligned with `batch.labels`, for either kind of batch (a prefix LM's with its bidirectional prefix)."""
+    if isinstance(batch, Seq2SeqBatch):
+        return model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+    if batch.prefix_len is not None:
+        return model(batch.input_ids, batch.attention_mask, prefix_lengths=batch.prefix_len)
+    return model(batch.input_ids, batch.attention_mask)
+
+
 @torch.no_grad()
 def perplexity(model: TransformerModel, batches: Sequence) -> float:
     """exp(mean negative log-likelihood per target token) over LM batches with -100 on ignored labels."""
     model.eval()
     total, count = 0.0, 0
     for batch in batches:
-        logits = model(batch.input_ids, batch.attention_mask).float()
+        logits = forward_logits(model, batch).float()
         loss = torch.nn.functional.cross_entropy(
             logits.view(-1, logits.shape[-1]), batch.labels.view(-1), ignore_index=-100, reduction="sum"
         )

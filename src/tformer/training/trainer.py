@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import OBJECTIVES, Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab, causal_lm
-from tformer.models import WEIGHTS_FILE, TransformerModel, build_model
+from tformer.models import WEIGHTS_FILE, build_model
 from tformer.training.checkpoint import (
     list_checkpoints,
     load_trainer_state,
@@ -33,7 +33,7 @@ from tformer.training.checkpoint import (
 )
 from tformer.training.config import OBJECTIVE_FAMILIES, TrainConfig
 from tformer.training.corpus import PreparedData, prepare_data
-from tformer.training.evaluate import evaluate_translation, perplexity
+from tformer.training.evaluate import evaluate_translation, forward_logits, perplexity
 from tformer.training.losses import label_smoothed_cross_entropy
 from tformer.training.optim import adamw_cosine, paper_adam
 from tformer.viz import plot_training_curves
@@ -41,13 +41,6 @@ from tformer.viz import plot_training_curves
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient became NaN or infinite; the last good checkpoint is kept."""
-
-
-def forward_logits(model: TransformerModel, batch: Seq2SeqBatch | LMBatch) -> torch.Tensor:
-    """Logits aligned with `batch.labels`, for either kind of batch."""
-    if isinstance(batch, Seq2SeqBatch):
-        return model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
-    return model(batch.input_ids, batch.attention_mask)
 
 
 class Trainer:
@@ -60,6 +53,8 @@ class Trainer:
                 f"objective '{train_config.objective}' trains a '{needed}' model, but the model's family is "
                 f"'{model_config.family}'; change model.family (or pick a preset of that family)"
             )
+        if train_config.objective == "mlm" and model_config.encoder_head != "mlm":
+            raise ConfigError("objective 'mlm' needs the MLM head; set model.encoder_head: mlm")
         self.config = train_config
         self.run_dir = Path(train_config.out_dir)
         self.device = torch.device(device)
@@ -143,7 +138,8 @@ class Trainer:
         c = self.config
         stream = self.sampler.iterate(self.cursor)
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
-        bar = tqdm(total=c.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
+        # with a time budget the step count is not the limit: show the budget left instead of a step ETA
+        bar = tqdm(total=None if c.time_budget else c.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
         window_tokens, window_loss, window_start = 0, 0.0, self.elapsed  # training time only, no eval
         try:
             while self.step < c.max_steps and not self.stop_requested and not self._out_of_time():
@@ -161,7 +157,8 @@ class Trainer:
                 if self.step % c.log_every == 0:
                     rate = window_tokens / max(self.elapsed - window_start, 1e-9)
                     lr, mean_loss = self.scheduler.get_last_lr()[0], window_loss / window_tokens
-                    bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}")
+                    left = {"left": f"{(c.time_budget - self.elapsed) / 60:.0f}min"} if c.time_budget else {}
+                    bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}", **left)
                     self._log({"step": self.step, "loss": mean_loss, "lr": lr, "tokens_per_s": rate,
                                "elapsed": self.elapsed})
                     window_tokens, window_loss, window_start = 0, 0.0, self.elapsed
@@ -173,9 +170,9 @@ class Trainer:
             bar.close()
             signal.signal(signal.SIGINT, previous_handler)
         if self.stop_requested:
-            print(f"interrupted: saving a checkpoint at step {self.step}")
+            print(f"interrupted: saving a checkpoint at step {self.step}; the same command resumes the run")
         self._save()
-        return self._final_evaluation()
+        return self._final_evaluation(evaluate=not self.stop_requested)
 
     def _request_stop(self, signum: int, frame: object) -> None:
         if self.stop_requested:  # a second Ctrl-C stops at once
@@ -225,9 +222,10 @@ class Trainer:
         tqdm.write(f"step {self.step}: dev perplexity {ppl:.2f} on {len(encoded)} lines")
         return {"dev_ppl": ppl, "dev_sentences": len(encoded)}
 
-    def _final_evaluation(self) -> dict:
+    def _final_evaluation(self, evaluate: bool = True) -> dict:
+        """The whole dev set's score (skipped after Ctrl-C, which should exit promptly) and the curves PNG."""
         final = {"step": self.step, "elapsed": self.elapsed}
-        if self.data.dev:
+        if self.data.dev and evaluate:
             final.update({"dev_sentences": len(self.data.dev), **self._evaluate(None)})
         if (self.run_dir / "metrics.jsonl").is_file():
             final["curves"] = str(plot_training_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png"))

@@ -1,0 +1,420 @@
+"""Import and export of local Hugging Face model directories: config.json plus safetensors weights.
+
+`from_hf(path)` reads GPT-2, LLaMA, Mistral, BERT (masked LM or bare encoder), BART and Marian checkpoints, in one
+model.safetensors or in shards listed by model.safetensors.index.json, into a tformer model. `to_hf(model, path)`
+writes a directory that `transformers.AutoModel*.from_pretrained` loads. What each architecture means is data in
+`hf_decoders` and `hf_encoders`; this module reads and writes files and checks them.
+
+Nothing is ever unpickled: a directory with only pytorch_model.bin is refused with a way to convert it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from tformer.config import ConfigError, ModelConfig
+from tformer.interop.hf_decoders import GPT2, GPT2_BARE, LLAMA, MISTRAL
+from tformer.interop.hf_encoders import BART, BERT_MLM, BERT_MODEL, MARIAN
+from tformer.interop.hf_spec import COPY, SAME, Entry, Family, HFFields, Table, Transform, UnsupportedHFConfig
+from tformer.models import CheckpointError, TransformerModel, build_model
+
+CONFIG_JSON = "config.json"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "source.spm",
+    "target.spm", "chat_template.jinja",
+)
+NOT_COMPARED = ("dropout", "attn_dropout", "init", "init_std")  # training settings, kept by export where it can
+DERIVED = ("n_kv_heads", "head_dim")  # fields config.json may leave implicit
+
+FAMILIES: dict[str, Family] = {
+    family.architecture: family for family in (GPT2, GPT2_BARE, LLAMA, MISTRAL, BERT_MLM, BERT_MODEL, BART, MARIAN)
+}
+# the architecture read when config.json names only a model_type
+MODEL_TYPES: dict[str, str] = {
+    "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+    "bert": "BertForMaskedLM", "bart": "BartForConditionalGeneration", "marian": "MarianMTModel",
+}
+# what `to_hf` tries, in order, for each tformer family: the first that holds the config exactly is written
+EXPORTS: dict[str, tuple[str, ...]] = {
+    "decoder": ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM"),
+    "encoder": ("BertForMaskedLM", "BertModel"),
+    "encoder-decoder": ("BartForConditionalGeneration", "MarianMTModel"),
+}
+
+
+class DroppedWeightsWarning(UserWarning):
+    """A checkpoint held weights tformer has no place for (BERT's pooler); they were left out."""
+
+
+# ---- import -------------------------------------------------------------------------------------------------------
+
+
+def from_hf(path: str | Path, device: str | torch.device = "cpu") -> TransformerModel:
+    """Loads a Hugging Face model directory (config.json + safetensors) as a tformer model in eval mode.
+
+    Weights load in the model's dtype (float32); call `.to(dtype)` afterwards for half precision.
+    Raises CheckpointError naming the file and the problem when the directory cannot be read exactly.
+    """
+    path = Path(path)
+    hf_config = read_hf_config(path)
+    family = family_of(hf_config, path / CONFIG_JSON)
+    config = config_from_hf(family, hf_config, path / CONFIG_JSON)
+    model = build_model(config)
+    with open_weights(path) as weights:
+        base, head = family.tensors(config)
+        table = {_base_prefix(family, base, weights.names) + name: entry for name, entry in base.items()} | head
+        check_tensors(weights, table, family, model, path)
+        state = read_state(weights, table, family, model)
+        dropped = sorted(name for name in weights.names if _matches(name, family.dropped))
+    load_state(model, state, family, path)
+    if dropped:
+        warnings.warn(
+            f"{path}: left out {_listed(dropped)}. {family.dropped_note}", DroppedWeightsWarning, stacklevel=2
+        )
+    return model.to(device).eval()
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """The parsed config.json of a model directory, or a CheckpointError saying what is wrong."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory; from_hf reads a Hugging Face model directory")
+    file = path / CONFIG_JSON
+    if not file.is_file():
+        raise CheckpointError(
+            f"{path} has no {CONFIG_JSON}, so it is not a Hugging Face model directory; "
+            f"pass the directory that save_pretrained wrote (config.json next to model.safetensors)"
+        )
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err}); restore the file from the original model") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object of config fields, got {type(data).__name__}")
+    return data
+
+
+def family_of(hf_config: dict[str, Any], source: Path) -> Family:
+    """The Family for config.json's first `architectures` entry, or for its model_type when there is none."""
+    architectures = hf_config.get("architectures") or []
+    name = architectures[0] if architectures else MODEL_TYPES.get(hf_config.get("model_type", ""))
+    if name in FAMILIES:
+        return FAMILIES[name]
+    what = f"architecture '{architectures[0]}'" if architectures else f"model_type {hf_config.get('model_type')!r}"
+    raise CheckpointError(
+        f"{source}: unsupported {what}; tformer reads the architectures {', '.join(FAMILIES)} "
+        f"(or model_type {', '.join(MODEL_TYPES)} without an architectures entry)"
+    )
+
+
+def hf_fields(family: Family, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields for a config.json of `family`; UnsupportedHFConfig names a field tformer lacks."""
+    for key, value in family.required.items():
+        if key in hf_config and hf_config[key] != value:
+            raise UnsupportedHFConfig(f"{key}={hf_config[key]!r} has no tformer equivalent (only {value!r} does)")
+    merged = HFFields({**family.defaults, **hf_config})
+    fields = {
+        **family.fixed,
+        **{ours: merged[theirs] for ours, theirs in family.renames.items()},
+        **family.extra_in(merged),
+    }
+    pad = hf_config.get("pad_token_id")
+    if isinstance(pad, int) and 0 <= pad < fields["vocab_size"]:
+        fields["pad_token_id"] = pad
+    return fields
+
+
+def config_from_hf(family: Family, hf_config: dict[str, Any], source: Path) -> ModelConfig:
+    """The ModelConfig for a config.json; the error names the file and the field tformer cannot represent."""
+    try:
+        return ModelConfig(**hf_fields(family, hf_config))
+    except UnsupportedHFConfig as err:
+        raise UnsupportedHFConfig(f"{source}: {err}") from None
+    except ConfigError as err:
+        raise UnsupportedHFConfig(f"{source}: tformer cannot represent this {family.architecture}: {err}") from None
+
+
+def check_tensors(weights: Weights, table: Table, family: Family, model: TransformerModel, path: Path) -> None:
+    """Raises CheckpointError for missing, unexpected or wrongly shaped tensors, naming them."""
+    files = ", ".join(sorted({file.name for file in weights.file_of.values()}))
+    required = {name for name, entry in table.items() if not _optional(name, entry, family)}
+    missing = sorted(required - weights.names)
+    if missing:
+        raise CheckpointError(
+            f"{path} ({files}): missing tensors {_listed(missing)}, which the {family.architecture} described by "
+            f"{CONFIG_JSON} needs; use the {CONFIG_JSON} saved with these weights"
+        )
+    unknown = sorted(n for n in weights.names - table.keys() if not _matches(n, family.ignored + family.dropped))
+    if unknown:
+        raise CheckpointError(
+            f"{path} ({files}): unexpected tensors {_listed(unknown)}: the {family.architecture} described by "
+            f"{CONFIG_JSON} has no such weights; check that {CONFIG_JSON} (its architectures entry, layer counts) "
+            f"belongs to these weights"
+        )
+    expected = expected_shapes(model, table)
+    for name in sorted(table.keys() & weights.names):
+        if weights.shape(name) != expected[name]:
+            raise CheckpointError(
+                f"{weights.file_of[name]}: tensor {name} has shape {weights.shape(name)}, but {CONFIG_JSON} implies "
+                f"{expected[name]}; use the {CONFIG_JSON} saved with these weights"
+            )
+
+
+def expected_shapes(model: TransformerModel, table: Table) -> dict[str, tuple[int, ...]]:
+    """The shape of each checkpoint tensor, found by exporting `model`'s tensors on the meta device."""
+    state = model.state_dict()
+    shapes = {}
+    for name, entry in table.items():
+        ours, transform = _unpack(entry)
+        shapes[name] = tuple(transform.save([state[n].to("meta") for n in ours]).shape)
+    return shapes
+
+
+def read_state(weights: Weights, table: Table, family: Family, model: TransformerModel) -> dict[str, torch.Tensor]:
+    """tformer's tensors from the checkpoint's; optional tensors that are absent become zeros."""
+    shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    for name, entry in table.items():
+        ours, transform = _unpack(entry)
+        if transform is COPY:
+            continue
+        if name in weights.names:
+            values = transform.load(weights.get(name))
+        else:
+            values = [torch.zeros(shapes[n]) for n in ours]
+        state.update(zip(ours, values, strict=True))
+    return state
+
+
+def load_state(model: TransformerModel, state: dict[str, torch.Tensor], family: Family, path: Path) -> None:
+    """Copies `state` into `model`; every tensor must be set, except the second names of tied weights."""
+    every_name = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tied_aliases = every_name - {name for name, _ in model.named_parameters()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    unset = sorted(set(missing) - tied_aliases)
+    if unset or unexpected:
+        raise CheckpointError(
+            f"{path}: the {family.architecture} tables in tformer.interop left {_listed(unset)} unset and "
+            f"produced unknown {_listed(unexpected)}; this is a bug in tformer, please report it"
+        )
+
+
+# ---- reading safetensors ------------------------------------------------------------------------------------------
+
+
+class Weights:
+    """Read access, by name, to the tensors of the safetensors file(s) of a checkpoint directory."""
+
+    def __init__(self, files: list[Path], stack: ExitStack) -> None:
+        self.file_of: dict[str, Path] = {}
+        self._handles: dict[str, Any] = {}
+        for file in files:
+            try:
+                handle = stack.enter_context(safe_open(str(file), framework="pt"))
+            except (SafetensorError, OSError) as err:
+                raise CheckpointError(f"{file}: {_unreadable(err)}") from None
+            for name in handle.keys():
+                if name in self.file_of:
+                    raise CheckpointError(f"{file}: tensor {name} is also in {self.file_of[name]}; remove one copy")
+                self.file_of[name], self._handles[name] = file, handle
+        self.names = set(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[name].get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._handles[name].get_tensor(name)
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{self.file_of[name]}: cannot read tensor {name}: {_unreadable(err)}") from None
+
+
+@contextmanager
+def open_weights(path: Path) -> Iterator[Weights]:
+    """The checkpoint's tensors, with every file open until the block ends."""
+    with ExitStack() as stack:
+        yield Weights(weight_files(path), stack)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """model.safetensors, or the shards model.safetensors.index.json lists; pickled checkpoints are refused."""
+    if (path / WEIGHTS).is_file():
+        return [path / WEIGHTS]
+    if (path / WEIGHTS_INDEX).is_file():
+        return _shards(path / WEIGHTS_INDEX)
+    pickled = [name for name in PICKLED if (path / name).is_file()]
+    if pickled:
+        raise CheckpointError(
+            f"{path / pickled[0]} is a pickled PyTorch checkpoint, and tformer never unpickles files (loading one can "
+            f"run arbitrary code); convert it to {WEIGHTS} first, e.g. in a trusted environment with transformers: "
+            f"AutoModel.from_pretrained(dir).save_pretrained(dir) writes safetensors"
+        )
+    raise CheckpointError(f"{path} has no {WEIGHTS} or {WEIGHTS_INDEX}; put the model's safetensors weights there")
+
+
+def _shards(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a weight_map): {err}") from None
+    missing = [name for name in names if not (index.parent / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{index} lists shards that are not in {index.parent}: {_listed(missing)}; copy them")
+    return [index.parent / name for name in names]
+
+
+def _unreadable(err: Exception) -> str:
+    return f"not a readable safetensors file ({err}); it may be truncated or corrupt, so copy or export it again"
+
+
+# ---- export -------------------------------------------------------------------------------------------------------
+
+
+def to_hf(
+    model: TransformerModel,
+    path: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    extra_config: dict[str, Any] | None = None,
+) -> None:
+    """Writes `model` as a Hugging Face model directory: config.json and model.safetensors (each atomically).
+
+    The architecture is the first in EXPORTS that represents the config exactly; CheckpointError lists, for each
+    candidate, the fields it cannot hold. tformer's config has no bos/eos/decoder-start ids (they belong to the
+    tokenizer): pass them in `extra_config`, which is merged into config.json last. Tokenizer files found in
+    `tokenizer_dir` are copied. An encoder without a head becomes a BertModel without pooler weights, which
+    transformers initializes at random (its last_hidden_state is exact; its pooler_output means nothing).
+    """
+    path = Path(path)
+    family, fields = export_family(model.config)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    hf_config = {"architectures": [family.architecture], "model_type": family.model_type, **fields,
+                 "dtype": dtype, **(extra_config or {})}
+    base, head = family.tensors(model.config)
+    tensors = export_tensors(model, {family.prefixes[0] + name: entry for name, entry in base.items()} | head)
+    tokenizer_files = [] if tokenizer_dir is None else find_tokenizer_files(Path(tokenizer_dir))
+    if (path / WEIGHTS_INDEX).exists():
+        raise CheckpointError(f"{path} holds a sharded checkpoint ({WEIGHTS_INDEX}); write to an empty directory")
+    path.mkdir(parents=True, exist_ok=True)
+    _write_atomically(path / WEIGHTS, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
+    _write_atomically(path / CONFIG_JSON, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    for file in tokenizer_files:
+        _write_atomically(path / file.name, lambda tmp, file=file: shutil.copyfile(file, tmp))
+
+
+def config_to_hf(family: Family, config: ModelConfig) -> dict[str, Any]:
+    """The config.json fields (without architectures and model_type) for `config` as a `family` model."""
+    fields = {theirs: getattr(config, ours) for ours, theirs in family.renames.items()}
+    return {**fields, **family.extra_out(config), "pad_token_id": config.pad_token_id}
+
+
+def export_family(config: ModelConfig) -> tuple[Family, dict[str, Any]]:
+    """The first architecture that holds `config` exactly, with its config.json fields."""
+    reasons = []
+    for name in EXPORTS[config.family]:
+        family = FAMILIES[name]
+        try:
+            fields = config_to_hf(family, config)
+            problems = round_trip_problems(family, config, fields)
+        except CheckpointError as err:
+            problems = [str(err)]
+        if not problems:
+            return family, fields
+        reasons.append(f"{name}: {'; '.join(problems)}")
+    raise CheckpointError(
+        "no Hugging Face architecture holds this model exactly, so to_hf would change it:\n  "
+        + "\n  ".join(reasons)
+        + "\nchange those config fields, or keep tformer's own checkpoint format (model.save)"
+    )
+
+
+def round_trip_problems(family: Family, config: ModelConfig, fields: dict[str, Any]) -> list[str]:
+    """The model fields that would change if `fields` were read back as a `family` config.json."""
+    back_fields = hf_fields(family, fields)
+    try:
+        back = ModelConfig(**back_fields)
+    except ConfigError as err:
+        return [str(err)]
+    keys = (set(back_fields) | set(DERIVED)) - set(NOT_COMPARED) - set(family.loose)
+    return [
+        f"{key} is {getattr(config, key)!r}, but a {family.architecture} has {getattr(back, key)!r}"
+        for key in sorted(keys)
+        if getattr(config, key) != getattr(back, key)
+    ]
+
+
+def export_tensors(model: TransformerModel, table: Table) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, contiguous on the CPU; a tensor written twice gets its own copy."""
+    state = model.state_dict()
+    tensors, storages = {}, set()
+    for name, entry in table.items():
+        ours, transform = _unpack(entry)
+        tensor = transform.save([state[n] for n in ours]).detach().cpu().contiguous()
+        if tensor.untyped_storage().data_ptr() in storages:
+            tensor = tensor.clone()
+        storages.add(tensor.untyped_storage().data_ptr())
+        tensors[name] = tensor
+    return tensors
+
+
+def find_tokenizer_files(source: Path) -> list[Path]:
+    """The Hugging Face tokenizer files in directory `source`; CheckpointError when there are none."""
+    if not source.is_dir():
+        raise CheckpointError(f"tokenizer_dir {source} is not a directory")
+    files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+    if not files:
+        raise CheckpointError(f"{source} holds no tokenizer files; looked for {', '.join(TOKENIZER_FILES)}")
+    return files
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------------
+
+
+def _unpack(entry: Entry) -> tuple[tuple[str, ...], Transform]:
+    return ((entry,), SAME) if isinstance(entry, str) else entry
+
+
+def _base_prefix(family: Family, base: Table, names: set[str]) -> str:
+    """The prefix the checkpoint puts before base-model tensors ('transformer.' or none for GPT-2, ...)."""
+    probe = next(iter(base))
+    return next((prefix for prefix in family.prefixes if prefix + probe in names), family.prefixes[0])
+
+
+def _optional(name: str, entry: Entry, family: Family) -> bool:
+    return _unpack(entry)[1] is COPY or _matches(name, family.optional)
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def _listed(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "nothing"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _write_atomically(target: Path, write: Callable[[Path], object]) -> None:
+    tmp = target.with_name(target.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
