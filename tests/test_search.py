@@ -10,6 +10,7 @@ import torch
 from conftest import make_model, tiny_config, tokens
 
 from tformer.inference import beam_search, greedy_search, length_penalty, translate_ids
+from tformer.inference.search import beam_search_decoder
 from tformer.models import DecoderLM, EncoderDecoder
 
 BOS, EOS, PAD = 1, 2, 0
@@ -231,6 +232,97 @@ def test_the_length_penalty_counts_the_end_of_sentence_token() -> None:
     assert expected == [] and margin > 1e-3
     src = torch.tensor([[5, 6]])
     assert beam_search(model, src, torch.ones_like(src), 3, BOS, EOS, beam_size=2, alpha=alpha) == [expected]
+
+
+# ---- beam search for decoder-only models ----------------------------------------------------------------------
+
+
+def sharp_decoder(variant: str, vocab_size: int, seed: int = 0) -> DecoderLM:
+    """A tiny decoder with its output logits scaled up: a fresh one is nearly uniform over the vocabulary, so
+    </s> right away would beat every longer continuation and the searches would have nothing to choose."""
+    preset, overrides = DECODER_VARIANTS[variant]
+    # untied: a random model whose output head is its input embedding mostly predicts the token it was fed
+    config = tiny_config(preset, vocab_size=vocab_size, tie_embeddings=False, **overrides)
+    model = make_model(config, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def decoder_prompts(lengths: list[int], vocab_size: int) -> list[list[int]]:
+    """Prompts of the given lengths, of tokens other than <pad>, <s> and </s>."""
+    return [(tokens(1, n, vocab_size - 3, seed=20 + i)[0] + 2).tolist() for i, n in enumerate(lengths)]
+
+
+@torch.no_grad()
+def reference_greedy_decoder(model: DecoderLM, prompt: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    """Arg-max continuation of one unpadded prompt, recomputing the whole sequence at every step."""
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        token = model(torch.tensor([ids]))[0, -1].argmax().item()
+        if token == eos:
+            break
+        ids.append(token)
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("variant", DECODER_VARIANTS)
+def test_decoder_beam_search_with_one_beam_is_uncached_greedy(variant: str) -> None:
+    # alpha = 0, as for the seq2seq search: with a length penalty a one-wide beam may rightly outlast greedy.
+    model = sharp_decoder(variant, vocab_size=8, seed=5)
+    prompts, limits = decoder_prompts([5, 1, 8, 3], 8), [8, 6, 9, 7]
+    # Call </s> the third token greedy picks after the first prompt, so that rows stop at different steps.
+    eos = reference_greedy_decoder(model, prompts[0], 3, eos=-1)[2]
+    expected = [reference_greedy_decoder(model, p, n, eos) for p, n in zip(prompts, limits)]
+    assert any(len(e) < n for e, n in zip(expected, limits)) and len({len(e) for e in expected}) >= 3
+    assert beam_search_decoder(model, prompts, limits, eos, beam_size=1, alpha=0.0) == expected
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_a_wide_decoder_beam_finds_the_best_length_penalised_continuation(alpha: float) -> None:
+    vocab_size, max_new_tokens = 6, 3
+    # Seed 6 and these prompts: the winners, [] and [1, 1, 1] for the first prompt as alpha grows and [5] for
+    # the second, do not start with greedy's first token ([3, 0, 5] and [0, 5]), so they come from a beam other
+    # than the top one, whose KV cache rows must have followed it.
+    model = sharp_decoder("llama-rope-gqa", vocab_size, seed=6)
+    prompts = [[5, 4, 1, 4], [4, 3]]
+    # Every K-wide beam keeps all 5^2 live prefixes and its 2K candidates hold all 25 * 6 last-step extensions.
+    beam = beam_search_decoder(model, prompts, max_new_tokens, EOS, beam_size=75, alpha=alpha)
+    beats_greedy = False
+    for prompt, found in zip(prompts, beam):
+
+        @torch.no_grad()
+        def log_probs(prefix: tuple[int, ...], prompt: list[int] = prompt) -> torch.Tensor:
+            return torch.log_softmax(model(torch.tensor([[*prompt, *prefix]]))[0, -1], -1)
+
+        expected, margin = brute_force_best(log_probs, vocab_size, max_new_tokens, alpha)
+        assert margin > 1e-4, "the test needs a unique best continuation"
+        assert found == expected
+        beats_greedy |= expected != reference_greedy_decoder(model, prompt, max_new_tokens, EOS)
+    assert beats_greedy, "greedy search would pass this test"
+
+
+@pytest.mark.parametrize("variant", DECODER_VARIANTS)
+def test_decoder_beam_search_does_not_depend_on_the_batch(variant: str) -> None:
+    model = sharp_decoder(variant, vocab_size=8, seed=5)
+    prompts, limits = decoder_prompts([6, 1, 9, 3], 8), [7, 5, 9, 6]
+    batched = beam_search_decoder(model, prompts, limits, EOS, beam_size=3, alpha=0.6)
+    alone = [beam_search_decoder(model, [p], n, EOS, beam_size=3, alpha=0.6)[0] for p, n in zip(prompts, limits)]
+    assert batched == alone
+    assert any(len(b) < n for b, n in zip(batched, limits)), "some search must stop on </s> before its limit"
+    assert len({tuple(b) for b in batched}) >= 3, "outputs must differ, or a mix-up of the rows could pass"
+
+
+def test_decoder_beam_search_rejects_prompts_it_cannot_continue() -> None:
+    model = sharp_decoder("gpt2-learned", vocab_size=8)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        beam_search_decoder(model, [[3, 4], []], 4, EOS)
+    with pytest.raises(ValueError, match="max_seq_len of 64"):
+        beam_search_decoder(model, [[3] * 60], 5, EOS)
+    with pytest.raises(ValueError, match="2 length limits for a batch of 1"):
+        beam_search_decoder(model, [[3]], [4, 4], EOS)
+    with pytest.raises(ValueError, match="beam_size is 0"):
+        beam_search_decoder(model, [[3]], 4, EOS, beam_size=0)
 
 
 # ---- translate_ids -----------------------------------------------------------------------------------------------

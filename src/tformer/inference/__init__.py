@@ -2,7 +2,7 @@
 
 from tformer.inference.engine import Completion, Engine, EngineConfig, RequestOutput
 from tformer.inference.sampling import RequestError, SamplingParams
-from tformer.inference.search import beam_search, greedy_search, length_penalty, translate_ids
+from tformer.inference.search import beam_search, beam_search_decoder, greedy_search, length_penalty, translate_ids
 
 __all__ = [
     "Completion",
@@ -12,6 +12,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "beam_search",
+    "beam_search_decoder",
     "greedy_search",
     "length_penalty",
     "translate_ids",
