@@ -261,3 +261,19 @@ def test_sampled_tokens_follow_the_tempered_distribution() -> None:
     expected = torch.softmax(logits / 0.7, -1) * 4000
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 16.3  # the 0.999 quantile of chi-square with 3 degrees of freedom
+
+
+def test_parallel_samples_share_the_prompt_blocks_and_copy_on_write() -> None:
+    model = make_model(tiny_config("tiny-llama"))
+    prompt = prompts_of_mixed_lengths(model.config.vocab_size, (10,))[0]  # 10 tokens: the third block is partial
+    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=32))
+    samples = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=3))
+    assert [s.index for s in samples] == [0, 1, 2]
+    alone = [Engine(model).generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=5 + i))[0]
+             for i in range(3)]
+    assert [s.token_ids for s in samples] == [a.token_ids for a in alone]
+    assert len({tuple(s.token_ids) for s in samples}) > 1  # different seeds, different samples
+    assert engine.num_block_copies == 2  # the two forks each copied the shared partial block once
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, n=2))
+    assert greedy[0].token_ids == greedy[1].token_ids == reference_greedy(model, prompt, 8)
+    assert engine.num_blocks_in_use == 0

@@ -49,6 +49,7 @@ class RequestOutput:
     text: str
     finished: bool = False
     finish_reason: str | None = None
+    index: int = 0  # which of the request's samples (SamplingParams.n)
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    index: int = 0
 
 
 class Engine:
@@ -89,6 +91,7 @@ class Engine:
         self._trackers: dict[str, TextTracker] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
+        self.num_block_copies = 0  # copy-on-write copies of shared blocks
 
     def _num_blocks(self, bytes_per_token: int) -> int:
         if self.config.num_blocks:
@@ -114,11 +117,14 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Cancels a request (a client went away): its blocks return to the pool at once."""
-        seq = self.sequences.pop(request_id, None)
-        self._trackers.pop(request_id, None)
-        if seq is not None and seq.status is not Status.FINISHED:
-            self.scheduler.finish(seq, "abort")
+        """Cancels a request, every sample of it (a client went away): its blocks return to the pool at once."""
+        first = self.sequences.get(request_id)
+        n = first.params.n if first is not None else 1
+        for key in [_key(request_id, i) for i in range(n)]:
+            seq = self.sequences.pop(key, None)
+            self._trackers.pop(key, None)
+            if seq is not None and seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -182,6 +188,7 @@ class Engine:
         if not plan.scheduled:
             return []
         self.num_preemptions += len(plan.preempted)
+        self.num_block_copies += len(plan.copies)
         self.kv.copy_blocks(plan.copies)
         seqs = [seq for seq, _ in plan.scheduled]
         for seq in seqs:
@@ -195,14 +202,32 @@ class Engine:
             seq.n_computed += n
             self.scheduler.computed(seq)
             if seq.n_pending == 0:
-                seq.output.append(sample_token(logits[row], seq.params, seq.generator))
-                outputs.append(self._emit(seq))
+                forks = self._fork(seq) if not seq.output and seq.params.n > 1 else []
+                for member in [seq, *forks]:  # samples of one prompt draw their first tokens from the same logits
+                    member.output.append(sample_token(logits[row], member.params, member.generator))
+                    outputs.append(self._emit(member))
         return outputs
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Samples 1..n-1 of a request whose prompt is now cached: each shares every block of the prompt."""
+        children = []
+        for i in range(1, seq.params.n):
+            seed = None if seq.params.seed is None else seq.params.seed + i
+            child = Sequence(
+                seq.request_id, seq.prompt, seq.params, None if seq.params.greedy else make_generator(seed),
+                table=self.allocator.fork(seq.table), n_computed=seq.n_computed, status=Status.RUNNING,
+                source=seq.source, encoder_state=seq.encoder_state, index=i,
+            )
+            self.sequences[_key(seq.request_id, i)] = child
+            self._trackers[_key(seq.request_id, i)] = TextTracker(self.tokenizer, seq.params.stop)
+            self.scheduler.running.append(child)
+            children.append(child)
+        return children
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         token = seq.output[-1]
         params = seq.params
-        tracker = self._trackers[seq.request_id]
+        tracker = self._trackers[_key(seq.request_id, seq.index)]
         reason = None
         if token in params.stop_token_ids or (token in self._eos_ids() and not params.ignore_eos):
             reason = "stop"
@@ -214,40 +239,54 @@ class Engine:
         if reason is not None:
             text += tracker.flush() if not hit_stop else ""
             self.scheduler.finish(seq, reason)
-        return RequestOutput(seq.request_id, [token], text, reason is not None, reason)
+        return RequestOutput(seq.request_id, [token], text, reason is not None, reason, seq.index)
 
     # convenience ----------------------------------------------------------------------------------------
 
     def generate(
         self, prompts: str | Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> list[Completion]:
-        """Runs every prompt to completion (continuous batching among them); results in prompt order."""
+        """Runs every prompt to completion (continuous batching among them).
+
+        Results come in prompt order, and for a prompt with n samples, its n completions by `index`.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params_list = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-        done = {rid: Completion(rid, list(self.sequences[rid].source or self.sequences[rid].prompt)) for rid in ids}
+        done = {
+            (rid, i): Completion(rid, list(self.sequences[rid].source or self.sequences[rid].prompt), index=i)
+            for rid, sp in zip(ids, params_list, strict=True) for i in range(sp.n)
+        }
         while any(c.finish_reason is None for c in done.values()):
             for out in self.step():
-                if out.request_id in done:
-                    _accumulate(done[out.request_id], out)
+                if (out.request_id, out.index) in done:
+                    _accumulate(done[out.request_id, out.index], out)
         for rid in ids:
-            self.sequences.pop(rid, None)
-            self._trackers.pop(rid, None)
-        return [done[rid] for rid in ids]
+            self.abort(rid)  # finished already: this only forgets the request
+        return list(done.values())
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yields the request's tokens and text as they are produced (other requests keep running)."""
+        """Yields the request's tokens and text as they are produced (other requests keep running).
+
+        With n > 1 samples, outputs of all samples interleave; `index` tells them apart.
+        """
+        params = params or SamplingParams()
         rid = self.add_request(prompt, params)
         try:
-            finished = False
-            while not finished:
+            unfinished = params.n
+            while unfinished:
                 for out in self.step():
                     if out.request_id == rid:
-                        finished = out.finished
+                        unfinished -= out.finished
                         yield out
         finally:
             self.abort(rid)
+
+
+def _key(request_id: str, index: int) -> str:
+    """The engine's key of sample `index` of a request: sample 0 is the request itself."""
+    return request_id if index == 0 else f"{request_id}#{index}"
 
 
 def _accumulate(completion: Completion, out: RequestOutput) -> None:

@@ -22,7 +22,8 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters. Generation stops at
     `max_tokens`, at the tokenizer's end-of-sequence token (unless `ignore_eos`), at any of `stop_token_ids`,
-    or when the text ends with one of `stop` (the stop string itself is not returned).
+    or when the text ends with one of `stop` (the stop string itself is not returned). With `n` > 1, sample i
+    uses the seed `seed + i`, so it equals a request of its own with that seed.
     """
 
     max_tokens: int = 16
@@ -33,10 +34,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1  # independent samples of one prompt; they share the prompt's KV blocks (copy-on-write)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.n, int) or self.n < 1:
+            raise RequestError(f"n must be a positive integer, got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):

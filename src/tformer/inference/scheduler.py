@@ -45,6 +45,7 @@ class Sequence:
     arrival: int = field(default_factory=lambda: next(_arrivals))
     source: list[int] | None = None  # encoder-decoder models: the source the encoder reads
     encoder_state: object = None  # encoder-decoder models: the source's cross-attention keys and values
+    index: int = 0  # which of the request's `n` samples this is
 
     @property
     def tokens(self) -> list[int]:
