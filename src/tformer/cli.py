@@ -153,6 +153,22 @@ def generate(
         print()
 
 
+def serve(
+    *, model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, model_name: str | None = None
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics).
+
+    model: a .gguf file, a tformer checkpoint directory or a Hugging Face model directory
+    host: address to bind; the default, loopback, accepts no other machine (0.0.0.0 accepts all)
+    port: TCP port to listen on
+    api_key: require 'Authorization: Bearer KEY' on /v1 routes (default: $TFORMER_API_KEY, else none)
+    model_name: the model id clients send and /v1/models lists (default: the file or directory name)
+    """
+    from tformer.serve import run_server
+
+    run_server(model, host=host, port=port, api_key=api_key, model_name=model_name)
+
+
 def convert(source: str, *, out: str, to: str = "tformer") -> None:
     """Convert a model: a GGUF file or Hugging Face directory to a tformer checkpoint, or any of them to HF format.
 
@@ -188,6 +204,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "translate": translate,
     "generate": generate,
     "convert": convert,
+    "serve": serve,
     "average": average,
     "info": info,
     "viz": viz,

@@ -138,7 +138,10 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this engine has no tokenizer: pass the prompt as a list of token ids")
-            ids = self.tokenizer.encode(prompt)
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except (TypeError, ValueError) as err:  # e.g. a lone UTF-16 surrogate from a JSON body
+                raise RequestError(f"the prompt cannot be tokenized: {err}") from None
         else:
             ids = [int(t) for t in prompt]
         if not ids:

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 class RequestError(ValueError):
     """A request the engine cannot serve (bad sampling parameters, a prompt that does not fit, ...)."""
 
@@ -56,7 +59,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Temperatures below 1e-5 count as 0: dividing logits by them overflows to inf."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

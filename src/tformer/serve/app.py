@@ -1,0 +1,269 @@
+"""The FastAPI application: OpenAI's /v1 routes, /health and /metrics, on top of one `AsyncEngine`.
+
+A handler validates the body, renders and tokenizes the prompt, hands the request to the engine thread and
+either streams server-sent events or waits for the whole text. A client that goes away cancels its request:
+the stream's generator is closed (streaming) or a watcher sees `http.disconnect` (non-streaming), and either
+way the engine aborts the request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tformer.data import DataError
+from tformer.data.tokenizer import Tokenizer
+from tformer.inference import RequestOutput, SamplingParams
+from tformer.serve.async_engine import AsyncEngine, EngineStopped
+from tformer.serve.errors import APIError, error_body, install_error_handlers
+from tformer.serve.metrics import Metrics
+from tformer.serve.middleware import ApiKeyMiddleware, RequestCounter
+from tformer.serve.protocol import (
+    UNION_FORMS, ChatFormat, ChatRequest, CompletionFormat, CompletionRequest, new_id, usage,
+)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class Server:
+    """What the routes share: the engine, the tokenizer, the served model's name and the metrics."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tformer",
+                "max_model_len": self.engine.max_model_len}
+
+    def encode(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids", param=param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:  # JSON's "\ud800" escapes decode to lone surrogates
+            raise APIError(400, f"{param} is not valid Unicode ({err.reason} at {err.start})", param=param) from None
+        return self.tokenizer.encode(text)
+
+    def chat_prompt(self, body: ChatRequest) -> list[int]:
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise APIError(400, f"the model {self.model_name!r} has no chat template, so /v1/chat/completions cannot "
+                           "render messages; use /v1/completions with a plain prompt, or serve a tokenizer whose "
+                           "tokenizer_config.json (or GGUF metadata) carries a chat template", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template([m.as_dict() for m in body.messages])
+        except DataError as err:  # e.g. the template's raise_exception("roles must alternate")
+            raise APIError(400, str(err), param="messages") from None
+        except Exception as err:  # noqa: BLE001 -- the template is the model's code, not ours
+            raise APIError(400, f"the chat template failed on these messages ({type(err).__name__}: {err})",
+                           param="messages") from None
+        return self.encode(text, "messages")
+
+    def check_fits(self, prompt_len: int, max_tokens: int, prompt_param: str, tokens_param: str) -> None:
+        """Names the parameter at fault when a request overflows the context (the engine checks again)."""
+        room = self.engine.room(prompt_len)
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens but the model's context holds "
+                           f"{self.engine.max_model_len}; shorten it", param=prompt_param,
+                           code="context_length_exceeded")
+        if max_tokens > room:
+            raise APIError(400, f"{tokens_param}={max_tokens} is beyond the context: the prompt's {prompt_len} tokens "
+                           f"leave room for {room}; use {tokens_param} <= {room}", param=tokens_param,
+                           code="context_length_exceeded")
+
+    async def run(self, request: Request, ids: list[int], params: SamplingParams, fmt: CompletionFormat,
+                  stream: bool, include_usage: bool = False) -> Response:
+        """Hands the request to the engine; answers with an SSE stream or the whole completion."""
+        started = time.perf_counter()
+        try:
+            await self.engine.add(fmt.request_id, ids, params)
+        except EngineStopped as err:
+            raise APIError(503, str(err)) from None
+        self.metrics.prompt_tokens.inc(len(ids))
+        outputs = self._tracked(self.engine.stream(fmt.request_id), fmt.endpoint, started)
+        if stream:
+            sse = self._sse(outputs, fmt, len(ids), include_usage)
+            return _EventStream(sse, lambda: self.engine.release(fmt.request_id))
+        try:
+            return await self._complete(request, outputs, fmt, len(ids))
+        finally:
+            self.engine.release(fmt.request_id)
+
+    async def _tracked(self, outputs: AsyncIterator[RequestOutput], endpoint: str,
+                       started: float) -> AsyncIterator[RequestOutput]:
+        """Passes outputs through; times the first and the last and counts the tokens."""
+        first = True
+        async with aclosing(outputs):
+            async for out in outputs:
+                now = time.perf_counter()
+                if first:
+                    self.metrics.ttft.observe(now - started, endpoint)
+                    first = False
+                self.metrics.generation_tokens.inc(len(out.token_ids))
+                if out.finished:
+                    self.metrics.latency.observe(now - started, endpoint)
+                yield out
+
+    async def _sse(self, outputs: AsyncIterator[RequestOutput], fmt: CompletionFormat, prompt_tokens: int,
+                   include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: OpenAI chunks as text arrives, a last chunk with the finish reason, [DONE]."""
+        generated = 0
+        async with aclosing(outputs):
+            for chunk in fmt.first_chunks():
+                yield _event(chunk)
+            try:
+                async for out in outputs:
+                    generated += len(out.token_ids)
+                    if out.text:
+                        yield _event(fmt.chunk(out.text))
+                    if out.finished:
+                        yield _event(fmt.last_chunk(out.finish_reason))
+            except EngineStopped as err:
+                yield _event(error_body(503, str(err)))
+                return
+            if include_usage:
+                yield _event(fmt.usage_chunk(usage(prompt_tokens, generated)))
+            yield SSE_DONE
+
+    async def _complete(self, request: Request, outputs: AsyncIterator[RequestOutput], fmt: CompletionFormat,
+                        prompt_tokens: int) -> Response:
+        """The whole completion; if the client disconnects first, the request is cancelled instead."""
+        collect = asyncio.ensure_future(_collect(outputs))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():
+                collect.cancel()  # the client left (or this handler was cancelled): abort the request
+                await asyncio.wait({collect})  # and let the abort happen now
+        if collect.cancelled() or not collect.done():
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        try:
+            text, finish_reason, generated = collect.result()
+        except EngineStopped as err:
+            raise APIError(503, str(err)) from None
+        return JSONResponse(fmt.response(text, finish_reason, usage(prompt_tokens, generated)))
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed, and request released, however the response ends."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.events = events
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()  # type: ignore[attr-defined]
+            self.on_close()
+
+
+async def _collect(outputs: AsyncIterator[RequestOutput]) -> tuple[str, str | None, int]:
+    """(text, finish reason, number of tokens) of a whole request."""
+    parts, finish_reason, generated = [], None, 0
+    async with aclosing(outputs):
+        async for out in outputs:
+            parts.append(out.text)
+            generated += len(out.token_ids)
+            finish_reason = out.finish_reason
+    return "".join(parts), finish_reason, generated
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body is already read, so `receive` waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _add_info_routes(app: FastAPI, server: Server) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if server.engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = server.metrics.render(server.engine.stats, server.engine.num_cancelled)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [server.model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        server.check_model(model_id)
+        return JSONResponse(server.model_card())
+
+
+def _add_generation_routes(app: FastAPI, server: Server) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        body.check_supported()
+        prompt = body.single_prompt()
+        ids = server.encode(prompt, "prompt") if isinstance(prompt, str) else prompt
+        max_tokens = body.max_tokens or 16
+        server.check_fits(len(ids), max_tokens, "prompt", "max_tokens")
+        fmt = CompletionFormat(new_id(CompletionFormat.id_prefix), server.model_name)
+        return await server.run(request, ids, body.sampling_params(max_tokens), fmt, body.stream, body.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        body.check_supported()
+        ids = server.chat_prompt(body)
+        tokens_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(server.engine.room(len(ids)), 1)
+        server.check_fits(len(ids), max_tokens, "messages", tokens_param)
+        fmt = ChatFormat(new_id(ChatFormat.id_prefix), server.model_name)
+        return await server.run(request, ids, body.sampling_params(max_tokens), fmt, body.stream, body.include_usage)
+
+
+def create_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
+               api_key: str | None = None) -> FastAPI:
+    """The ASGI app; its lifespan starts the engine thread and stops it when the server shuts down."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    server = Server(engine, tokenizer, model_name)
+    app = FastAPI(title="tformer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    install_error_handlers(app, UNION_FORMS)
+    _add_info_routes(app, server)
+    _add_generation_routes(app, server)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestCounter, metrics=server.metrics)  # added last: the outermost, so it counts 401s
+    return app

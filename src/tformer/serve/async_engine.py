@@ -1,0 +1,256 @@
+"""`AsyncEngine`: one background thread owns the `Engine`; asyncio code talks to it through queues.
+
+The `Engine` is not thread-safe, so only its thread ever touches it. Callers put commands (add, abort, stop)
+on a thread-safe queue; the thread applies them between steps and hands each request's outputs to that
+request's own asyncio queue with `loop.call_soon_threadsafe`. With nothing to run, the thread blocks on the
+command queue, so an idle server uses no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from tformer.inference import Engine, RequestError, RequestOutput, SamplingParams
+from tformer.models import EncoderDecoder
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStopped(RuntimeError):
+    """The engine stopped (the server is shutting down, or a step failed) before the request finished."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's books, published by its thread after every step and command."""
+
+    waiting: int = 0
+    running: int = 0
+    blocks_in_use: int = 0
+    blocks_total: int = 0
+    preemptions: int = 0
+
+
+class _Sink:
+    """Carries one request's events (acceptance, outputs, errors) from the engine thread to its event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException | None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    sink: _Sink
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+_ACCEPTED = None  # the first event of an accepted request
+
+
+class AsyncEngine:
+    """Serves many asyncio callers from one `Engine` running in one background thread.
+
+    `await add(...)` queues a request (raising `RequestError` when the engine refuses it); `stream(id)` yields
+    its `RequestOutput`s and aborts the request if the caller stops early; `generate(...)` does both.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # the callers' side: touched only from event loops
+        self.num_cancelled = 0  # requests that ended before finishing (the caller left, or the engine stopped)
+        self._live: dict[str, _Sink] = {}  # the engine thread's side
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._lock = threading.Lock()  # no add can slip in behind the stop command
+        self._stats = EngineStats(blocks_total=engine.allocator.pool.num_blocks)
+
+    # the callers' side -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the engine thread (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tformer-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stops the engine thread; requests still in flight end with `EngineStopped`. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._commands.put(_Stop())
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def room(self, prompt_len: int) -> int:
+        """How many tokens a prompt of `prompt_len` tokens leaves in the context (the longest max_tokens)."""
+        decoder_prompt = 1 if isinstance(self.engine.model, EncoderDecoder) else prompt_len  # just <s>
+        return self.engine.max_model_len - decoder_prompt
+
+    async def add(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> None:
+        """Queues a request and waits until the engine takes it; raises `RequestError` if it refuses."""
+        if request_id in self._sinks:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        sink = _Sink(asyncio.get_running_loop())
+        prompt = prompt if isinstance(prompt, str) else list(prompt)
+        with self._lock:
+            if self._closed or not self.is_running:
+                raise EngineStopped("the engine is not running (the server is shutting down)")
+            self._sinks[request_id] = sink
+            self._commands.put(_Add(request_id, prompt, params, sink))
+        try:
+            event = await sink.queue.get()
+        except BaseException:  # cancelled while waiting: the add may still land, so abort it behind the add
+            self._drop(request_id)
+            raise
+        if event is not _ACCEPTED:  # refused: nothing to abort
+            self._sinks.pop(request_id, None)
+            raise event if isinstance(event, BaseException) else EngineStopped(f"unexpected event {event!r}")
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yields an added request's outputs until it finishes; leaving early aborts it and frees its blocks."""
+        sink = self._sinks[request_id]
+        finished = False
+        try:
+            while not finished:
+                event = await sink.queue.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if event is _ACCEPTED:
+                    continue
+                finished = event.finished
+                yield event
+        finally:
+            if finished:
+                self._sinks.pop(request_id, None)
+            else:
+                self._drop(request_id)
+
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """`add` then `stream`: the request's outputs as the engine produces them."""
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        await self.add(request_id, prompt, params)
+        async for output in self.stream(request_id):
+            yield output
+
+    def abort(self, request_id: str) -> None:
+        """Cancels a request from any thread; its KV blocks return to the pool at the engine's next turn."""
+        self._commands.put(_Abort(request_id))
+
+    def release(self, request_id: str) -> None:
+        """Aborts a request unless its stream was read to the end (e.g. a stream that never started)."""
+        self._drop(request_id)
+
+    def _drop(self, request_id: str) -> None:
+        if self._sinks.pop(request_id, None) is not None:
+            self.num_cancelled += 1
+            self.abort(request_id)
+
+    # the engine thread -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        running = True
+        while running:
+            try:
+                running = self._apply_commands(block=not self.engine.has_unfinished())
+                if running and self.engine.has_unfinished():
+                    self._step()
+            except Exception as err:  # noqa: BLE001 -- a failed step must not kill the server's only engine thread
+                logger.exception("engine step failed; failing the requests in flight")
+                self._fail_all(EngineStopped(f"the engine failed: {type(err).__name__}: {err}"))
+            self._publish_stats()
+        self._fail_all(EngineStopped("the server is shutting down; the request was cancelled"))
+        self._publish_stats()
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Applies every queued command (waiting for one if `block`); False once told to stop."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+            while True:
+                if isinstance(command, _Stop):
+                    return False
+                self._apply(command)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort(command.request_id)
+            self._live.pop(command.request_id, None)
+            return
+        try:
+            self.engine.add_request(command.prompt, command.params, command.request_id)
+        except RequestError as err:
+            command.sink.put(err)
+            return
+        self._live[command.request_id] = command.sink
+        command.sink.put(_ACCEPTED)
+
+    def _step(self) -> None:
+        for output in self.engine.step():
+            if output.finished:
+                sink = self._live.pop(output.request_id, None)
+                self.engine.abort(output.request_id)  # a finished request: only forgets its books
+            else:
+                sink = self._live.get(output.request_id)
+            if sink is not None:
+                sink.put(output)
+
+    def _fail_all(self, error: EngineStopped) -> None:
+        for request_id, sink in list(self._live.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 -- keep failing the others
+                logger.exception("could not abort %s", request_id)
+            sink.put(error)
+        self._live.clear()
+
+    def _publish_stats(self) -> None:
+        engine = self.engine
+        self._stats = EngineStats(
+            waiting=len(engine.scheduler.waiting),
+            running=len(engine.scheduler.running),
+            blocks_in_use=engine.num_blocks_in_use,
+            blocks_total=engine.allocator.pool.num_blocks,
+            preemptions=engine.num_preemptions,
+        )

@@ -1,0 +1,209 @@
+"""The OpenAI wire format: request bodies (pydantic, strict types) and the responses and stream chunks.
+
+Parameters tformer cannot honour (n > 1, best_of, logprobs, echo, penalties, ...) are declared, so that a
+request using them gets a 400 naming the parameter instead of being silently ignored. Unknown fields are
+ignored, as OpenAI's SDKs send new optional fields before servers know them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tformer.inference import SamplingParams
+from tformer.serve.errors import APIError
+
+MIN_TEMPERATURE = 0.01  # below this, logits / T overflows float32; the distribution is already one-hot
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what torch.Generator.manual_seed takes
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+UNION_FORMS = {  # what a field of several accepted types takes, for error messages
+    "prompt": "a string, a list of token ids, or a one-element list of either",
+    "stop": "a string or a list of at most 4 strings",
+    "content": 'a string or a list of {"type": "text", "text": ...} parts',
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """The parameters completions and chat completions share."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None  # None: the model this server serves
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1)  # an extension (vLLM's); 0 or -1 disables it
+    seed: Seed | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    ignore_eos: bool = False  # an extension (vLLM's): generate max_tokens tokens even past end-of-sequence
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: Finite = 0.0
+    frequency_penalty: Finite = 0.0
+    logit_bias: dict[str, Finite] | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        """Raises APIError (400, naming the parameter) for a value tformer does not support."""
+        for name, (supported, advice) in UNSUPPORTED.items():
+            if name in type(self).model_fields and not supported(getattr(self, name)):
+                raise APIError(400, f"{name}={getattr(self, name)!r} is not supported: {advice}", param=name)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters (RequestError for a value the engine refuses)."""
+        temperature = max(self.temperature, MIN_TEMPERATURE) if self.temperature > 0 else 0.0
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
+            seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions: one prompt, as text or token ids (a batch of one is unwrapped)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise APIError(400, f"batched prompts ({len(prompt)}) are not supported; send one prompt per request",
+                               param="prompt")
+            prompt = prompt[0]
+        return prompt  # type: ignore[return-value]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": self.role, "content": content}
+
+
+class ChatRequest(_GenerationRequest):
+    """POST /v1/chat/completions: a conversation, rendered to a prompt by the tokenizer's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+def _is(*allowed: object) -> Callable[[object], bool]:
+    return lambda value: any(value is a or (type(value) is type(a) and value == a) for a in allowed)
+
+
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (_is(1), "only n=1; send one request per sample"),
+    "best_of": (_is(None, 1), "only best_of=1"),
+    "echo": (_is(False), "the prompt is not echoed back"),
+    "logprobs": (_is(None, False), "log-probabilities are not returned"),
+    "top_logprobs": (_is(None, 0), "log-probabilities are not returned"),
+    "suffix": (_is(None), "insertion (suffix) is not supported"),
+    "presence_penalty": (lambda v: v == 0, "penalties are not implemented"),
+    "frequency_penalty": (lambda v: v == 0, "penalties are not implemented"),
+    "logit_bias": (lambda v: not v, "logit_bias is not implemented"),
+    "tools": (lambda v: not v, "tool calling is not implemented"),
+}
+
+
+# responses ---------------------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class CompletionFormat:
+    """Shapes /v1/completions answers: `text_completion` objects, whole or as stream chunks."""
+
+    id_prefix = "cmpl"
+    endpoint = "/v1/completions"
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.request_id, self.model, self.created = request_id, model, int(time.time())
+
+    def _wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def response(self, text: str, finish_reason: str | None, use: dict[str, int]) -> dict[str, Any]:
+        return self._wrap([{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}], usage=use)
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+        return self._wrap([{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+
+    def last_chunk(self, finish_reason: str | None) -> dict[str, Any]:
+        return self.chunk("", finish_reason)
+
+    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+        return self._wrap([], usage=use)
+
+
+class ChatFormat(CompletionFormat):
+    """Shapes /v1/chat/completions answers: `chat.completion` objects and `chat.completion.chunk` deltas."""
+
+    id_prefix = "chatcmpl"
+    endpoint = "/v1/chat/completions"
+
+    def _wrap(self, choices: list[dict[str, Any]], chunk: bool = True, **extra: Any) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if chunk else "chat.completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def response(self, text: str, finish_reason: str | None, use: dict[str, int]) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        return self._wrap([choice], chunk=False, usage=use)
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return [self._delta({"role": "assistant", "content": ""}, None)]
+
+    def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+        return self._delta({"content": text}, finish_reason)
+
+    def last_chunk(self, finish_reason: str | None) -> dict[str, Any]:
+        return self._delta({}, finish_reason)
+
+    def _delta(self, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
+        return self._wrap([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])

@@ -1,0 +1,54 @@
+"""`run_server`: load a model, build the app and serve it with uvicorn until SIGINT or SIGTERM.
+
+On either signal uvicorn stops accepting connections, lets in-flight requests finish for up to
+`shutdown_timeout` seconds and cancels the rest (their KV blocks are freed), then the app's lifespan stops the
+engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import uvicorn
+
+from tformer.inference import Engine, EngineConfig
+from tformer.interop.loading import load_pretrained
+from tformer.serve.app import create_app
+from tformer.serve.async_engine import AsyncEngine
+
+API_KEY_ENV = "TFORMER_API_KEY"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+logger = logging.getLogger(__name__)
+
+
+def default_model_name(path: str | os.PathLike[str]) -> str:
+    """The id clients pass as `model`: the file name without .gguf, or the directory's name."""
+    path = Path(path).resolve()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def run_server(
+    model: str | os.PathLike[str],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    engine_config: EngineConfig | None = None,
+    shutdown_timeout: float = 10.0,
+) -> None:
+    """Serves `model` (a .gguf file, a tformer checkpoint or a Hugging Face directory) until interrupted."""
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    net, tokenizer = load_pretrained(model)
+    engine = AsyncEngine(Engine(net, tokenizer, engine_config))
+    app = create_app(engine, tokenizer, model_name or default_model_name(model), api_key)
+    if host not in LOOPBACK and not api_key:
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it", host)
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout, log_level="info")
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its graceful shutdown
+        pass
+    finally:
+        engine.shutdown()
