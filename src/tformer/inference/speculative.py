@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tformer.inference.runner import StepBatch
 from tformer.inference.sampling import RequestError, SamplingParams, make_generator, sampling_probs
 from tformer.models import DecoderLM
 
@@ -68,14 +69,8 @@ def _feed(model: DecoderLM, cache: list, rows: list[list[int]], starts: list[int
 
     An empty row (a finished request) is all padding: position -1, nothing written.
     """
-    width = max(len(r) for r in rows)
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    positions = torch.full((len(rows), width), -1, dtype=torch.long)
-    for b, (row, start) in enumerate(zip(rows, starts, strict=True)):
-        tokens[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-        positions[b, : len(row)] = torch.arange(start, start + len(row))
-    device = model.decoder.tokens.weight.device
-    return model(tokens.to(device), positions=positions.to(device), cache=cache).float()
+    batch = StepBatch.build(rows, starts, model.decoder.tokens.weight.device)
+    return model(batch.tokens, positions=batch.positions, cache=cache).float()
 
 
 @torch.inference_mode()
