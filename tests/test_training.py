@@ -150,11 +150,11 @@ KILL_IN_SECOND_SAVE = """
 import os, signal, sys, torch
 from tformer.cli import main
 real_save, calls = torch.save, []
-def save(*args, **kwargs):  # the trainer state is the last file of a checkpoint and the only one torch.save writes
-    calls.append(1)
-    if len(calls) == 2:
+def save(obj, f, *args, **kwargs):  # the trainer state is the last file of a checkpoint
+    calls.append(str(f).endswith("trainer_state.pt"))
+    if sum(calls) == 2 and calls[-1]:
         os.kill(os.getpid(), signal.SIGKILL)
-    return real_save(*args, **kwargs)
+    return real_save(obj, f, *args, **kwargs)
 torch.save = save
 sys.exit(main(sys.argv[1:]))
 """

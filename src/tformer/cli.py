@@ -18,6 +18,7 @@ from tformer.config import ConfigError, ModelConfig
 from tformer.data import DataError
 from tformer.inference import RequestError
 from tformer.models import CheckpointError
+from tformer.training.distributed import DistributedFailure
 from tformer.training.trainer import TrainingDiverged
 
 
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.pop("_command")
     try:
         command(**args)
-    except (ConfigError, CheckpointError, DataError, TrainingDiverged, RequestError) as err:
+    except (ConfigError, CheckpointError, DataError, TrainingDiverged, RequestError, DistributedFailure) as err:
         print(f"tformer: error: {err}", file=sys.stderr)
         return 2
     return 0

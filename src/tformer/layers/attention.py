@@ -123,6 +123,8 @@ class Attention(nn.Module):
 
     Keys and values have n_kv_heads heads (GQA; MQA when 1). A `cross` layer attends to `context` (or its cache).
     Set `keep_weights` to store the last attention weights (math backend) in `last_weights`.
+    Under tensor parallelism the projections hold a slice of the heads; `heads` then names which ones, so that a
+    per-head bias (ALiBi) is sliced to match.
     """
 
     def __init__(self, config: ModelConfig, cross: bool = False) -> None:
@@ -138,6 +140,7 @@ class Attention(nn.Module):
         self.attn_dropout = config.attn_dropout
         self.keep_weights = False
         self.last_weights: torch.Tensor | None = None
+        self.heads = slice(None)  # the query heads this module computes: all of them unless sharded
 
     def forward(
         self,
@@ -150,7 +153,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x (B, T, d) -> (B, T, d). With a self-attention `cache`, x holds the tokens at `cache_positions`."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         if not self.cross:
             k, v = self.project_kv(x)
             if rotary is not None:
@@ -164,15 +167,17 @@ class Attention(nn.Module):
             if cache is not None:
                 cache.k, cache.v = k, v
         dropout_p = self.attn_dropout if self.training else 0.0
+        if mask.bias is not None and mask.bias.shape[1] > 1 and self.heads != slice(None):
+            mask = AttentionMask(mask.bias[:, self.heads], mask.is_causal)
         out, weights = self.backend(q, k, v, mask, dropout_p)  # (B, H, T, D)
         if self.keep_weights:
             self.last_weights = None if weights is None else weights.detach()
-        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
+        out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
         return self.out_proj(out)
 
     def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of `source` (B, S, d): (B, Hkv, S, D) each, before any rotary embedding."""
         B, S, _ = source.shape
-        k = self.k_proj(source).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-        v = self.v_proj(source).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        k = self.k_proj(source).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        v = self.v_proj(source).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
         return k, v

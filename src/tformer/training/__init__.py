@@ -11,6 +11,7 @@ from tformer.data import Tokenizer, bible_pairs, read_parallel
 from tformer.models import load
 from tformer.training.checkpoint import resolve_checkpoint
 from tformer.training.config import TrainConfig
+from tformer.training.distributed import DistributedFailure, shutdown
 from tformer.training.evaluate import TranslationResult, evaluate_translation, translate
 from tformer.training.trainer import Trainer, TrainingDiverged
 
@@ -38,7 +39,13 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> tuple[ModelConfi
 def run_recipe(path: str | Path, overrides: list[str] = (), device: str = "cpu") -> dict:
     """Trains as the recipe says, then prints dev BLEU and sample translations."""
     model_config, train_config = load_recipe(path, overrides)
-    result = Trainer(model_config, train_config, device).fit()
+    try:
+        trainer = Trainer(model_config, train_config, device)
+        result = trainer.fit()
+    finally:
+        shutdown()
+    if not trainer.dist.is_main:  # under torchrun rank 0 reports
+        return result
     print(f"\nfinished at step {result['step']} after {result['elapsed']:.0f} s of training")
     if "dev_bleu" in result:
         print(f"dev BLEU (all {result['dev_sentences']} sentences, beam {train_config.beam_size}): "
@@ -72,6 +79,7 @@ def evaluate_checkpoint(path: str | Path, data: str = "bible:en-de", split: str 
 
 
 __all__ = [
+    "DistributedFailure",
     "Trainer",
     "TrainConfig",
     "TrainingDiverged",

@@ -7,11 +7,16 @@ A run directory looks like::
       metrics.jsonl                  one JSON object per log / eval event
       curves.png                     loss, learning rate and dev BLEU
       best.json                      {"step": ..., "bleu": ...}: the checkpoint `tformer translate` uses
-      checkpoints/step-00000500/     config.yaml, model.safetensors, tokenizer.json, trainer_state.pt
+      checkpoints/step-00000500/     config.yaml, model.safetensors, tokenizer.json, trainer_state.pt, sharded/
+
+model.safetensors holds the whole (consolidated) weights for inference, however many ranks trained them.
+sharded/ holds the model and optimizer state as written by torch.distributed.checkpoint, one shard per
+rank, which a run resumes from on any number of ranks (training/sharded.py). trainer_state.pt holds the
+step, data cursor, scheduler and best score: only tensors and plain containers, read with
+`torch.load(weights_only=True)`, so nothing is unpickled.
 
 Each checkpoint is first written to `step-XXXXXXXX.tmp/` and renamed into place, so a crash (even kill -9)
-never leaves a half-written checkpoint under a real name. trainer_state.pt holds only tensors and plain
-containers and is read with `torch.load(weights_only=True)`: nothing is unpickled.
+never leaves a half-written checkpoint under a real name.
 """
 
 from __future__ import annotations
@@ -34,14 +39,30 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step-{step:08d}"
 
 
-def save_checkpoint(run_dir: Path, step: int, model: TransformerModel, tokenizer: Any, state: dict) -> Path:
-    """Writes model, tokenizer and trainer `state` for `step`, then renames the directory into place."""
+def pending_dir(run_dir: Path, step: int) -> Path:
+    """Where `step`'s checkpoint is written before `commit_checkpoint` gives it its real name."""
     final = checkpoint_dir(run_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
+    return final.with_name(final.name + ".tmp")
+
+
+def begin_checkpoint(run_dir: Path, step: int) -> Path:
+    """An empty `pending_dir` for `step`'s checkpoint."""
+    tmp = pending_dir(run_dir, step)
     shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def write_checkpoint_files(tmp: Path, model: TransformerModel, tokenizer: Any, state: dict) -> None:
+    """The consolidated weights, the tokenizer and the trainer `state` (step, cursor, scheduler, ...)."""
     model.save(tmp)
     tokenizer.save(tmp)
     torch.save(state, tmp / STATE_FILE)
+
+
+def commit_checkpoint(tmp: Path) -> Path:
+    """Renames a finished temporary checkpoint directory to its real name (replacing an older one)."""
+    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

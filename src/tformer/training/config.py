@@ -17,6 +17,9 @@ OBJECTIVE_FAMILIES = {  # the model family each objective trains
     "mlm": "encoder",
 }
 OBJECTIVE_NAMES = tuple(OBJECTIVE_FAMILIES)
+PARALLEL_STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp+tp")  # how several processes share the work
+FSDP_SHARDINGS = ("full", "grad-op")  # ZeRO-3 / ZeRO-2
+FSDP_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -57,6 +60,14 @@ class TrainConfig(ConfigBase):
     keep_last: int = 3
     log_every: int = 20
 
+    # several processes, launched with torchrun (training/distributed.py; ignored when training alone)
+    parallel: str = "auto"  # auto (= ddp on several processes), ddp, fsdp, tp or fsdp+tp
+    fsdp_sharding: str = "full"  # full: ZeRO-3, parameters resharded after forward; grad-op: ZeRO-2, kept
+    fsdp_param_dtype: str = "float32"  # FSDP mixed precision: dtype of the gathered parameters in compute
+    fsdp_reduce_dtype: str = "float32"  # FSDP mixed precision: dtype of the gradient reduce-scatter
+    tp_size: int = 0  # ranks per tensor-parallel group under fsdp+tp (tp alone uses them all)
+    dist_timeout: float = 600.0  # seconds a collective waits for the other ranks before failing
+
     def __post_init__(self) -> None:
         self._check_types()
         if self.optimizer not in OPTIMIZERS:
@@ -71,5 +82,13 @@ class TrainConfig(ConfigBase):
             raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.max_tokens < self.max_len + 1:
             raise ConfigError(f"max_tokens ({self.max_tokens}) must hold one example of max_len ({self.max_len}) + 1")
+        for name, allowed in (("parallel", PARALLEL_STRATEGIES), ("fsdp_sharding", FSDP_SHARDINGS),
+                              ("fsdp_param_dtype", FSDP_DTYPES), ("fsdp_reduce_dtype", FSDP_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"unknown {name} '{getattr(self, name)}'; choose one of: {', '.join(allowed)}")
+        if self.tp_size < 0:
+            raise ConfigError(f"tp_size must be 0 (all ranks) or a positive group size, got {self.tp_size}")
+        if not (math.isfinite(self.dist_timeout) and self.dist_timeout > 0):
+            raise ConfigError(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"lr must be a positive finite number, got {self.lr}")

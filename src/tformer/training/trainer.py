@@ -1,9 +1,14 @@
 """The training loop: token-budget batches, label-smoothed loss, accumulation, clipping, bf16 autocast,
 atomic checkpoints with bit-exact resume, dev BLEU, JSONL metrics, a progress bar and clean Ctrl-C.
 
-Resuming: every checkpoint stores the optimizer, scheduler and RNG state and the data cursor, and every
-random choice in a step is drawn from generators seeded by (seed, step), so a run killed at any point and
+Resuming: every checkpoint stores the optimizer and scheduler state and the data cursor, and every random
+choice in a step is drawn from generators seeded by (seed, step), so a run killed at any point and
 restarted continues to the same weights as an uninterrupted run (bit-exact on the CPU).
+
+On several processes (torchrun; training/distributed.py) every rank walks the same global stream of
+batches; a step takes `grad_accum` of them and each data-parallel rank trains on its share, so the global
+batch and the loss curve do not depend on the number of ranks. Only rank 0 logs, evaluates and writes the
+files that are not sharded.
 """
 
 from __future__ import annotations
@@ -18,24 +23,37 @@ from pathlib import Path
 
 import torch
 import yaml
+from torch import nn
 from safetensors.torch import load_model
 from tqdm import tqdm
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import OBJECTIVES, Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab, causal_lm
-from tformer.models import WEIGHTS_FILE, build_model
+from tformer.models import WEIGHTS_FILE, CheckpointError, TransformerModel, build_model
 from tformer.training.checkpoint import (
+    begin_checkpoint,
+    commit_checkpoint,
     list_checkpoints,
     load_trainer_state,
+    pending_dir,
     prune_checkpoints,
     record_best,
-    save_checkpoint,
+    write_checkpoint_files,
 )
 from tformer.training.config import OBJECTIVE_FAMILIES, TrainConfig
 from tformer.training.corpus import PreparedData, prepare_data
+from tformer.training.distributed import (
+    clip_gradients,
+    full_state_dict,
+    gradient_sync,
+    init_distributed,
+    is_collective_failure,
+    parallelize,
+)
 from tformer.training.evaluate import evaluate_translation, forward_logits, perplexity
 from tformer.training.losses import label_smoothed_cross_entropy
 from tformer.training.optim import adamw_cosine, paper_adam
+from tformer.training.sharded import SHARDED_DIR, load_sharded, save_sharded
 from tformer.viz import plot_training_curves
 
 
@@ -57,15 +75,23 @@ class Trainer:
             raise ConfigError("objective 'mlm' needs the MLM head; set model.encoder_head: mlm")
         self.config = train_config
         self.run_dir = Path(train_config.out_dir)
-        self.device = torch.device(device)
+        self.dist = init_distributed(train_config, torch.device(device))
+        self.device = self.dist.device
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.dist.is_main:  # rank 0 trains the tokenizer (or finds it) first; the others then load it
+            self.dist.barrier()
         self.data: PreparedData = prepare_data(train_config, self.run_dir)
+        if self.dist.is_main:
+            self.dist.barrier()
         tokenizer = self.data.tokenizer
         self.model_config = replace(model_config, vocab_size=tokenizer.vocab_size, tgt_vocab_size=None,
                                     pad_token_id=tokenizer.pad_id)
-        self._write_recipe()
+        if self.dist.is_main:
+            self._write_recipe()
         torch.manual_seed(train_config.seed)
         self.model = build_model(self.model_config).to(self.device)
+        self.module = parallelize(self.model, self.dist, train_config)  # what forward runs on (DDP wraps)
+        self._consolidated_model: nn.Module | None = None  # rank 0's unsharded copy, for evaluation and export
         self.optimizer, self.scheduler = self._optimizer()
         self.sampler = TokenBatchSampler(self.data.lengths, train_config.max_tokens, seed=train_config.seed)
         self.vocab = Vocab.of(tokenizer)
@@ -77,9 +103,10 @@ class Trainer:
     # ---- setup -----------------------------------------------------------------------------------------
     def _optimizer(self) -> tuple:
         c = self.config
+        fused = self.dist.strategy != "tp"  # tp alone mixes DTensor and plain parameters (see optim.py)
         if c.optimizer == "adam-noam":
-            return paper_adam(self.model, self.model_config.d_model, c.warmup, scale=c.lr)
-        return adamw_cosine(self.model, c.lr, c.warmup, c.max_steps, weight_decay=c.weight_decay)
+            return paper_adam(self.model, self.model_config.d_model, c.warmup, scale=c.lr, fused=fused)
+        return adamw_cosine(self.model, c.lr, c.warmup, c.max_steps, weight_decay=c.weight_decay, fused=fused)
 
     def _write_recipe(self) -> None:
         recipe = {"model": self.model_config.to_dict(), "train": self.config.to_dict()}
@@ -90,15 +117,23 @@ class Trainer:
         if not checkpoints:
             return
         latest = checkpoints[-1]
-        load_model(self.model, str(latest / WEIGHTS_FILE), device=str(self.device))
         state = load_trainer_state(latest)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if (latest / SHARDED_DIR).is_dir():
+            load_sharded(latest / SHARDED_DIR, self.module, self.optimizer)
+        elif self.dist.enabled:
+            raise CheckpointError(
+                f"{latest} was written by an older tformer without a sharded/ state; resume it in one process "
+                f"(its next checkpoint then resumes on any number of ranks)"
+            )
+        else:  # written before checkpoints had a sharded/ directory
+            load_model(self.model, str(latest / WEIGHTS_FILE), device=str(self.device))
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
         self.step, self.cursor = state["step"], Cursor.from_dict(state["cursor"])
         self.best_bleu, self.elapsed = state["best_bleu"], state["elapsed"]
         self.saved_step = self.step
-        print(f"resumed from {latest} (step {self.step})")
+        if self.dist.is_main:
+            print(f"resumed from {latest} (step {self.step})")
 
     # ---- one optimizer step ----------------------------------------------------------------------------
     def _batch(self, indices: list[int], micro_step: int) -> Seq2SeqBatch | LMBatch:
@@ -107,19 +142,24 @@ class Trainer:
         return OBJECTIVES[self.config.objective](examples, self.vocab, generator).to(self.device)
 
     def train_step(self, batches: list[Seq2SeqBatch | LMBatch]) -> tuple[float, int]:
-        """One optimizer step over `batches` (gradient accumulation); returns (mean loss per token, tokens)."""
-        self.model.train()
+        """One optimizer step over this rank's `batches` (gradient accumulation); returns (mean loss per token,
+        tokens), both over all ranks. The loss is normalised by the step's global token count."""
+        self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
-        n_tokens = sum(int((b.labels != -100).sum()) for b in batches)
+        local_tokens = sum(int((b.labels != -100).sum()) for b in batches)
+        n_tokens = int(self.dist.sum_over_data_parallel([local_tokens])[0])
+        dp_size = self.dist.dp_size  # DDP and FSDP average gradients over the dp ranks: scale that back to a sum
         total = 0.0
         autocast = torch.autocast(self.device.type, torch.bfloat16) if self.config.bf16 else nullcontext()
-        for batch in batches:
-            with autocast:
-                logits = forward_logits(self.model, batch)
-            loss_sum, _ = label_smoothed_cross_entropy(logits, batch.labels, self.config.label_smoothing)
-            (loss_sum / n_tokens).backward()
+        for i, batch in enumerate(batches):
+            with gradient_sync(self.module, sync=i == len(batches) - 1):
+                with autocast:
+                    logits = forward_logits(self.module, batch)
+                loss_sum, _ = label_smoothed_cross_entropy(logits, batch.labels, self.config.label_smoothing)
+                (loss_sum / n_tokens * dp_size).backward()
             total += loss_sum.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
+        total = self.dist.sum_over_data_parallel([total])[0]
+        grad_norm = clip_gradients(
             self.model.parameters(), self.config.clip_grad if self.config.clip_grad > 0 else math.inf
         )
         if not (math.isfinite(total) and torch.isfinite(grad_norm)):
@@ -135,19 +175,31 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------------------
     def fit(self) -> dict:
         """Trains until max_steps, the time budget or Ctrl-C; returns the final evaluation."""
+        try:
+            return self._fit()
+        except RuntimeError as err:
+            if self.dist.enabled and is_collective_failure(err):
+                raise self.dist.failure(err) from err
+            raise
+
+    def _fit(self) -> dict:
         c = self.config
-        stream = self.sampler.iterate(self.cursor)
+        dist = self.dist
+        stream = self.sampler.iterate(self.cursor)  # the global stream: the same on every rank
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
         # with a time budget the step count is not the limit: show the budget left instead of a step ETA
-        bar = tqdm(total=None if c.time_budget else c.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
+        bar = tqdm(total=None if c.time_budget else c.max_steps, initial=self.step, desc="train", dynamic_ncols=True,
+                   disable=not dist.is_main)
         window_tokens, window_loss, window_start = 0, 0.0, self.elapsed  # training time only, no eval
         try:
-            while self.step < c.max_steps and not self.stop_requested and not self._out_of_time():
+            while self.step < c.max_steps and not dist.any_rank(self.stop_requested or self._out_of_time()):
                 started = time.perf_counter()
+                torch.manual_seed(c.seed * 1_000_003 + self.step * 1_009 + dist.dp_rank)  # dropout of this step
                 batches = []
-                for _ in range(c.grad_accum):
+                for j in range(c.grad_accum):  # the step's global batches; each dp rank trains on its share
                     indices, self.cursor = next(stream)
-                    batches.append(self._batch(indices, self.step * c.grad_accum + len(batches)))
+                    if j % dist.dp_size == dist.dp_rank:
+                        batches.append(self._batch(indices, self.step * c.grad_accum + j))
                 loss, n_tokens = self.train_step(batches)
                 self.step += 1
                 self.elapsed += time.perf_counter() - started
@@ -169,10 +221,11 @@ class Trainer:
         finally:
             bar.close()
             signal.signal(signal.SIGINT, previous_handler)
-        if self.stop_requested:
+        interrupted = dist.any_rank(self.stop_requested)
+        if interrupted and dist.is_main:
             print(f"interrupted: saving a checkpoint at step {self.step}; the same command resumes the run")
         self._save()
-        return self._final_evaluation(evaluate=not self.stop_requested)
+        return self._final_evaluation(evaluate=not interrupted)
 
     def _request_stop(self, signum: int, frame: object) -> None:
         if self.stop_requested:  # a second Ctrl-C stops at once
@@ -183,41 +236,68 @@ class Trainer:
         return self.config.time_budget > 0 and self.elapsed >= self.config.time_budget
 
     def _save(self) -> None:
+        """A checkpoint of this step (a collective: every rank writes its shards, rank 0 the rest)."""
         if self.saved_step == self.step:  # e.g. a new best on a save step: one write is enough
             return
         state = {
-            "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": torch.get_rng_state(),
             "step": self.step,
             "cursor": self.cursor.to_dict(),
             "best_bleu": self.best_bleu,
             "elapsed": self.elapsed,
         }
-        save_checkpoint(self.run_dir, self.step, self.model, self.data.tokenizer, state)
+        weights = self._consolidated()
+        tmp = begin_checkpoint(self.run_dir, self.step) if self.dist.is_main else pending_dir(self.run_dir, self.step)
+        self.dist.barrier()
+        save_sharded(tmp / SHARDED_DIR, self.module, self.optimizer)
+        self.dist.barrier()  # every rank's shards are on disk before the directory gets its real name
+        if self.dist.is_main:
+            write_checkpoint_files(tmp, weights, self.data.tokenizer, state)
+            commit_checkpoint(tmp)
+            prune_checkpoints(self.run_dir, self.config.keep_last)
+        self.dist.barrier()
         self.saved_step = self.step
-        prune_checkpoints(self.run_dir, self.config.keep_last)
+
+    def _consolidated(self) -> TransformerModel | None:
+        """The whole model with the current weights on rank 0 (None elsewhere); a collective when sharded."""
+        if not self.dist.enabled:
+            return self.model
+        weights = full_state_dict(self.module)
+        if not self.dist.is_main:
+            return None
+        if self._consolidated_model is None:
+            self._consolidated_model = build_model(self.model_config)
+        self._consolidated_model.load_state_dict(weights)
+        return self._consolidated_model
 
     def _evaluate(self, n_sentences: int | None) -> dict:
+        """Dev BLEU (or perplexity), computed by rank 0 on the consolidated model; saves a new best."""
         if not self.data.dev or self.config.objective not in ("seq2seq", "clm"):
             return {}
         dev = self.data.dev[:n_sentences] if n_sentences else self.data.dev
+        model = self._consolidated()
         if self.config.objective == "clm":
-            return self._evaluate_perplexity(dev)
-        result = evaluate_translation(self.model, self.data.tokenizer, dev, self.config.beam_size,
-                                      self.config.length_penalty)
-        self._log({"step": self.step, "dev_bleu": result.bleu, "dev_sentences": len(dev)})
-        tqdm.write(f"step {self.step}: dev BLEU {result.bleu:.2f} on {len(dev)} sentences")
-        if result.bleu > self.best_bleu:
-            self.best_bleu = result.bleu
-            record_best(self.run_dir, self.step, result.bleu)  # before the save: the saved state then agrees
+            return self._evaluate_perplexity(model, dev) if self.dist.is_main else {}
+        result = None
+        if self.dist.is_main:
+            result = evaluate_translation(model, self.data.tokenizer, dev, self.config.beam_size,
+                                          self.config.length_penalty)
+            self._log({"step": self.step, "dev_bleu": result.bleu, "dev_sentences": len(dev)})
+            tqdm.write(f"step {self.step}: dev BLEU {result.bleu:.2f} on {len(dev)} sentences")
+        bleu = self.dist.from_main(result.bleu if result else 0.0)
+        if bleu > self.best_bleu:
+            self.best_bleu = bleu
+            if self.dist.is_main:
+                record_best(self.run_dir, self.step, bleu)  # before the save: the saved state then agrees
             self._save()
+        if result is None:
+            return {}
         return {"dev_bleu": result.bleu, "dev_sentences": len(dev), "samples": result.samples(3)}
 
-    def _evaluate_perplexity(self, lines: list[str]) -> dict:
+    def _evaluate_perplexity(self, model: TransformerModel, lines: list[str]) -> dict:
         encoded = [ids for ids in self.data.tokenizer.encode_batch(lines) if 0 < len(ids) <= self.config.max_len]
         batches = [causal_lm(encoded[i : i + 32], self.vocab).to(self.device) for i in range(0, len(encoded), 32)]
-        ppl = perplexity(self.model, batches)
+        ppl = perplexity(model, batches)
         self._log({"step": self.step, "dev_ppl": ppl, "dev_sentences": len(encoded)})
         tqdm.write(f"step {self.step}: dev perplexity {ppl:.2f} on {len(encoded)} lines")
         return {"dev_ppl": ppl, "dev_sentences": len(encoded)}
@@ -227,10 +307,12 @@ class Trainer:
         final = {"step": self.step, "elapsed": self.elapsed}
         if self.data.dev and evaluate:
             final.update({"dev_sentences": len(self.data.dev), **self._evaluate(None)})
-        if (self.run_dir / "metrics.jsonl").is_file():
+        if self.dist.is_main and (self.run_dir / "metrics.jsonl").is_file():
             final["curves"] = str(plot_training_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png"))
         return final
 
     def _log(self, record: dict) -> None:
+        if not self.dist.is_main:
+            return
         with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
