@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -84,10 +85,9 @@ def load_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer
     try:
         with _quiet_when_alone():
             dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not dist.is_initialized())
-    except CheckpointError:
-        raise
-    except Exception as err:  # DCP wraps per-rank failures in its own exception types
-        raise CheckpointError(f"{path}: cannot load the sharded training state: {err}") from None
+    except (Exception, CheckpointException) as err:  # DCP gathers per-rank failures into a BaseException
+        cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path}: cannot load the sharded training state: {cause}") from None
     kernels = [{k: group[k] for k in ("fused", "foreach") if k in group} for group in optimizer.param_groups]
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     for group, kernel in zip(optimizer.param_groups, kernels):  # this run's kernel choice, not the saved one's
