@@ -83,7 +83,8 @@ def reference(recipe: Path) -> Path:
 
 STRATEGIES = {  # name -> (ranks, overrides)
     "ddp": (2, ["train.parallel=ddp"]),
-    "fsdp": (2, ["train.parallel=fsdp"]),
+    # with dev BLEU every 3 steps: rank 0 evaluates the gathered weights, a new best is saved by all ranks
+    "fsdp": (2, ["train.parallel=fsdp", "train.eval_every=3", "train.eval_sentences=20", "train.dev_corpus={corpus}"]),
     "fsdp-grad-op": (2, ["train.parallel=fsdp", "train.fsdp_sharding=grad-op"]),
     "tp": (2, ["train.parallel=tp"]),
     "fsdp+tp (2 x 2 mesh)": (4, ["train.parallel=fsdp+tp", "train.tp_size=2"]),
@@ -94,8 +95,12 @@ STRATEGIES = {  # name -> (ranks, overrides)
 def test_every_strategy_follows_the_single_process_loss_curve(strategy: str, recipe: Path, reference: Path) -> None:
     ranks, overrides = STRATEGIES[strategy]
     run_dir = recipe.parent / strategy.split()[0]
+    overrides = [o.format(corpus=recipe.parent / "corpus.tsv") for o in overrides]
     result = train(recipe, run_dir, ranks, *overrides)
     assert result.stdout.count("finished at step") == 1, "only rank 0 reports"
+    if "train.eval_every=3" in overrides:  # evaluating changes nothing in training
+        assert result.stdout.count("dev BLEU (all 200 sentences") == 1
+        assert json.loads((run_dir / "best.json").read_text())["step"] in (3, 6, 8)
     assert_same_curve(run_dir, reference, range(1, STEPS + 1))
     expected = final_weights(reference)
     got = final_weights(run_dir)  # the consolidated export, whatever the sharding

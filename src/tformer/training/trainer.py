@@ -270,8 +270,10 @@ class Trainer:
         self._consolidated_model.load_state_dict(weights)
         return self._consolidated_model
 
-    def _evaluate(self, n_sentences: int | None) -> dict:
-        """Dev BLEU (or perplexity), computed by rank 0 on the consolidated model; saves a new best."""
+    def _evaluate(self, n_sentences: int | None, final: bool = False) -> dict:
+        """Dev BLEU (or perplexity), computed by rank 0 on the consolidated model; saves a new best.
+
+        The final evaluation comes after the last save, so the other ranks need not wait for its score."""
         if not self.data.dev or self.config.objective not in ("seq2seq", "clm"):
             return {}
         dev = self.data.dev[:n_sentences] if n_sentences else self.data.dev
@@ -284,13 +286,14 @@ class Trainer:
                                           self.config.length_penalty)
             self._log({"step": self.step, "dev_bleu": result.bleu, "dev_sentences": len(dev)})
             tqdm.write(f"step {self.step}: dev BLEU {result.bleu:.2f} on {len(dev)} sentences")
-        bleu = self.dist.from_main(result.bleu if result else 0.0)
+        local_bleu = result.bleu if result else -1.0  # no score on the ranks other than 0
+        bleu = local_bleu if final else self.dist.from_main(local_bleu)
         if bleu > self.best_bleu:
             self.best_bleu = bleu
             if self.dist.is_main:
                 record_best(self.run_dir, self.step, bleu)  # before the save: the saved state then agrees
             self._save()
-        if result is None:
+        if result is None:  # final evaluation on a rank other than 0
             return {}
         return {"dev_bleu": result.bleu, "dev_sentences": len(dev), "samples": result.samples(3)}
 
@@ -306,7 +309,7 @@ class Trainer:
         """The whole dev set's score (skipped after Ctrl-C, which should exit promptly) and the curves PNG."""
         final = {"step": self.step, "elapsed": self.elapsed}
         if self.data.dev and evaluate:
-            final.update({"dev_sentences": len(self.data.dev), **self._evaluate(None)})
+            final.update({"dev_sentences": len(self.data.dev), **self._evaluate(None, final=True)})
         if self.dist.is_main and (self.run_dir / "metrics.jsonl").is_file():
             final["curves"] = str(plot_training_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png"))
         return final
