@@ -279,7 +279,8 @@ ERROR_CASES = [
     (CMPL, {"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens"),  # beyond the 64-token context
     (CMPL, {"prompt": "hi", "max_tokens": 10**30}, 400, "max_tokens"),
     (CMPL, {"prompt": " ".join(["sun"] * 100)}, 400, "prompt"),  # the prompt alone overflows the context
-    (CMPL, {"prompt": "hi", "n": 2}, 400, "n"),
+    (CMPL, {"prompt": "hi", "n": 17}, 400, "n"),
+    (CMPL, {"prompt": "hi", "n": 0}, 400, "n"),
     (CMPL, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     (CMPL, {"prompt": "hi", "logprobs": 1}, 400, "logprobs"),
     (CMPL, {"prompt": "hi", "echo": True}, 400, "echo"),
@@ -293,7 +294,7 @@ ERROR_CASES = [
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     (CHAT, {"messages": "hi"}, 400, "messages"),
-    (CHAT, {"messages": USER, "n": 3}, 400, "n"),
+    (CHAT, {"messages": USER, "n": "3"}, 400, "n"),
     (CHAT, {"messages": USER, "logprobs": True}, 400, "logprobs"),
     (CHAT, {"messages": USER, "model": "other"}, 404, "model"),
     (CHAT, {"messages": USER, "max_completion_tokens": 500}, 400, "max_completion_tokens"),
@@ -319,8 +320,27 @@ def test_wrong_method_and_unknown_model_via_the_client(tiny) -> None:
     with pytest.raises(openai.NotFoundError) as err:
         client(tiny).chat.completions.create(model="nope", messages=USER)
     assert err.value.body["code"] == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        client(tiny).completions.create(model=NAME, prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="n"):
+        client(tiny).completions.create(model=NAME, prompt="hi", n=17)
+
+
+def test_n_samples_equal_the_offline_engine_whole_and_streamed(tiny, offline) -> None:
+    params = {"max_tokens": 10, "temperature": 1.0, "seed": 3}
+    expected = offline.engine.generate(["the moon"], SamplingParams(n=3, **params))
+    assert [c.index for c in expected] == [0, 1, 2] and len({c.text for c in expected}) > 1
+    result = client(tiny).completions.create(model=NAME, prompt="the moon", n=3, **params)
+    assert [(c.index, c.text, c.finish_reason) for c in result.choices] == [
+        (c.index, c.text, c.finish_reason) for c in expected]
+    assert result.usage.completion_tokens == sum(len(c.token_ids) for c in expected)
+    stream = client(tiny).chat.completions.create(model=NAME, messages=USER, n=2, stream=True, **params)
+    texts, reasons = ["", ""], [None, None]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    expected = offline.engine.generate([offline.tokenizer.apply_chat_template(USER)], SamplingParams(n=2, **params))
+    assert texts == [c.text for c in expected] and reasons == [c.finish_reason for c in expected]
+    assert metric(tiny.url, "tformer_kv_blocks_in_use") == 0
 
 
 def test_chat_without_a_template_is_a_400_that_says_why(tiny, monkeypatch) -> None:

@@ -100,19 +100,19 @@ class Server:
         except EngineStopped as err:
             raise APIError(503, str(err)) from None
         self.metrics.prompt_tokens.inc(len(ids))
-        outputs = self._tracked(self.engine.stream(fmt.request_id), fmt.endpoint, started)
+        outputs = self._tracked(self.engine.stream(fmt.request_id), fmt.endpoint, started, params.n)
         if stream:
-            sse = self._sse(outputs, fmt, len(ids), include_usage)
+            sse = self._sse(outputs, fmt, len(ids), include_usage, params.n)
             return _EventStream(sse, lambda: self.engine.release(fmt.request_id))
         try:
-            return await self._complete(request, outputs, fmt, len(ids))
+            return await self._complete(request, outputs, fmt, len(ids), params.n)
         finally:
             self.engine.release(fmt.request_id)
 
-    async def _tracked(self, outputs: AsyncIterator[RequestOutput], endpoint: str,
-                       started: float) -> AsyncIterator[RequestOutput]:
-        """Passes outputs through; times the first and the last and counts the tokens."""
-        first = True
+    async def _tracked(self, outputs: AsyncIterator[RequestOutput], endpoint: str, started: float,
+                       n: int) -> AsyncIterator[RequestOutput]:
+        """Passes outputs through; times the first and the end of the last of `n` samples, counts the tokens."""
+        first, unfinished = True, n
         async with aclosing(outputs):
             async for out in outputs:
                 now = time.perf_counter()
@@ -120,24 +120,26 @@ class Server:
                     self.metrics.ttft.observe(now - started, endpoint)
                     first = False
                 self.metrics.generation_tokens.inc(len(out.token_ids))
-                if out.finished:
+                unfinished -= out.finished
+                if not unfinished:
                     self.metrics.latency.observe(now - started, endpoint)
                 yield out
 
     async def _sse(self, outputs: AsyncIterator[RequestOutput], fmt: CompletionFormat, prompt_tokens: int,
-                   include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: OpenAI chunks as text arrives, a last chunk with the finish reason, [DONE]."""
+                   include_usage: bool, n: int) -> AsyncIterator[str]:
+        """Server-sent events: OpenAI chunks as text arrives, a last chunk per sample with its finish reason
+        (samples interleave, told apart by their choice index), then [DONE]."""
         generated = 0
         async with aclosing(outputs):
-            for chunk in fmt.first_chunks():
+            for chunk in fmt.first_chunks(n):
                 yield _event(chunk)
             try:
                 async for out in outputs:
                     generated += len(out.token_ids)
                     if out.text:
-                        yield _event(fmt.chunk(out.text))
+                        yield _event(fmt.chunk(out.text, index=out.index))
                     if out.finished:
-                        yield _event(fmt.last_chunk(out.finish_reason))
+                        yield _event(fmt.last_chunk(out.finish_reason, out.index))
             except EngineStopped as err:
                 yield _event(error_body(503, str(err)))
                 return
@@ -146,9 +148,9 @@ class Server:
             yield SSE_DONE
 
     async def _complete(self, request: Request, outputs: AsyncIterator[RequestOutput], fmt: CompletionFormat,
-                        prompt_tokens: int) -> Response:
+                        prompt_tokens: int, n: int) -> Response:
         """The whole completion; if the client disconnects first, the request is cancelled instead."""
-        collect = asyncio.ensure_future(_collect(outputs))
+        collect = asyncio.ensure_future(_collect(outputs, n))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -160,10 +162,10 @@ class Server:
         if collect.cancelled() or not collect.done():
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         try:
-            text, finish_reason, generated = collect.result()
+            samples, generated = collect.result()
         except EngineStopped as err:
             raise APIError(503, str(err)) from None
-        return JSONResponse(fmt.response(text, finish_reason, usage(prompt_tokens, generated)))
+        return JSONResponse(fmt.response(samples, usage(prompt_tokens, generated)))
 
 
 class _EventStream(StreamingResponse):
@@ -182,15 +184,17 @@ class _EventStream(StreamingResponse):
             self.on_close()
 
 
-async def _collect(outputs: AsyncIterator[RequestOutput]) -> tuple[str, str | None, int]:
-    """(text, finish reason, number of tokens) of a whole request."""
-    parts, finish_reason, generated = [], None, 0
+async def _collect(outputs: AsyncIterator[RequestOutput], n: int) -> tuple[list[tuple[str, str | None]], int]:
+    """(text, finish reason) of each of a request's `n` samples, and the number of tokens of all of them."""
+    parts: list[list[str]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    generated = 0
     async with aclosing(outputs):
         async for out in outputs:
-            parts.append(out.text)
+            parts[out.index].append(out.text)
             generated += len(out.token_ids)
-            finish_reason = out.finish_reason
-    return "".join(parts), finish_reason, generated
+            reasons[out.index] = out.finish_reason
+    return [("".join(p), reason) for p, reason in zip(parts, reasons, strict=True)], generated
 
 
 async def _disconnected(request: Request) -> None:

@@ -38,10 +38,15 @@ class EngineStats:
 
 
 class _Sink:
-    """Carries one request's events (acceptance, outputs, errors) from the engine thread to its event loop."""
+    """Carries one request's events (acceptance, outputs, errors) from the engine thread to its event loop.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    A request with n samples ends when all n have finished; `unfinished` is the engine thread's count.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, samples: int) -> None:
         self.loop = loop
+        self.samples = samples
+        self.unfinished = samples
         self.queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException | None) -> None:
@@ -128,7 +133,7 @@ class AsyncEngine:
         """Queues a request and waits until the engine takes it; raises `RequestError` if it refuses."""
         if request_id in self._sinks:
             raise RequestError(f"request id {request_id!r} is already in use")
-        sink = _Sink(asyncio.get_running_loop())
+        sink = _Sink(asyncio.get_running_loop(), params.n)
         prompt = prompt if isinstance(prompt, str) else list(prompt)
         with self._lock:
             if self._closed or not self.is_running:
@@ -145,8 +150,10 @@ class AsyncEngine:
             raise event if isinstance(event, BaseException) else EngineStopped(f"unexpected event {event!r}")
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Yields an added request's outputs until it finishes; leaving early aborts it and frees its blocks."""
+        """Yields an added request's outputs until every sample finishes; leaving early aborts it and frees its
+        blocks."""
         sink = self._sinks[request_id]
+        unfinished = sink.samples
         finished = False
         try:
             while not finished:
@@ -155,7 +162,8 @@ class AsyncEngine:
                     raise event
                 if event is _ACCEPTED:
                     continue
-                finished = event.finished
+                unfinished -= event.finished
+                finished = not unfinished
                 yield event
         finally:
             if finished:
@@ -228,13 +236,14 @@ class AsyncEngine:
 
     def _step(self) -> None:
         for output in self.engine.step():
-            if output.finished:
-                sink = self._live.pop(output.request_id, None)
-                self.engine.abort(output.request_id)  # a finished request: only forgets its books
-            else:
-                sink = self._live.get(output.request_id)
-            if sink is not None:
-                sink.put(output)
+            sink = self._live.get(output.request_id)
+            if sink is None:
+                continue
+            sink.put(output)
+            sink.unfinished -= output.finished
+            if not sink.unfinished:
+                del self._live[output.request_id]
+                self.engine.abort(output.request_id)  # every sample finished: this only forgets their books
 
     def _fail_all(self, error: EngineStopped) -> None:
         for request_id, sink in list(self._live.items()):

@@ -1,6 +1,6 @@
 """The OpenAI wire format: request bodies (pydantic, strict types) and the responses and stream chunks.
 
-Parameters tformer cannot honour (n > 1, best_of, logprobs, echo, penalties, ...) are declared, so that a
+Parameters tformer cannot honour (best_of, logprobs, echo, penalties, ...) are declared, so that a
 request using them gets a 400 naming the parameter instead of being silently ignored. Unknown fields are
 ignored, as OpenAI's SDKs send new optional fields before servers know them.
 """
@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tformer.inference import SamplingParams
 from tformer.serve.errors import APIError
 
+MAX_SAMPLES = 16  # n: more parallel samples of one prompt than this is a 400
 MIN_TEMPERATURE = 0.01  # below this, logits / T overflows float32; the distribution is already one-hot
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what torch.Generator.manual_seed takes
 Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -48,7 +49,7 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False  # an extension (vLLM's): generate max_tokens tokens even past end-of-sequence
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)  # samples of one prompt: they share its KV blocks (copy-on-write)
     presence_penalty: Finite = 0.0
     frequency_penalty: Finite = 0.0
     logit_bias: dict[str, Finite] | None = None
@@ -66,7 +67,7 @@ class _GenerationRequest(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
-            seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+            seed=self.seed, stop=stop, ignore_eos=self.ignore_eos, n=self.n,
         )
 
     @property
@@ -126,7 +127,6 @@ def _is(*allowed: object) -> Callable[[object], bool]:
 
 
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (_is(1), "only n=1; send one request per sample"),
     "best_of": (_is(None, 1), "only best_of=1"),
     "echo": (_is(False), "the prompt is not echoed back"),
     "logprobs": (_is(None, False), "log-probabilities are not returned"),
@@ -164,17 +164,20 @@ class CompletionFormat:
         return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def response(self, text: str, finish_reason: str | None, use: dict[str, int]) -> dict[str, Any]:
-        return self._wrap([{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}], usage=use)
+    def response(self, samples: list[tuple[str, str | None]], use: dict[str, int]) -> dict[str, Any]:
+        """The whole answer: one choice per sample, from (text, finish reason) pairs in index order."""
+        choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                   for i, (text, reason) in enumerate(samples)]
+        return self._wrap(choices, usage=use)
 
-    def first_chunks(self) -> list[dict[str, Any]]:
+    def first_chunks(self, n: int) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
-        return self._wrap([{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+    def chunk(self, text: str, finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
+        return self._wrap([{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}])
 
-    def last_chunk(self, finish_reason: str | None) -> dict[str, Any]:
-        return self.chunk("", finish_reason)
+    def last_chunk(self, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+        return self.chunk("", finish_reason, index)
 
     def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
         return self._wrap([], usage=use)
@@ -191,19 +194,19 @@ class ChatFormat(CompletionFormat):
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def response(self, text: str, finish_reason: str | None, use: dict[str, int]) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-        return self._wrap([choice], chunk=False, usage=use)
+    def response(self, samples: list[tuple[str, str | None]], use: dict[str, int]) -> dict[str, Any]:
+        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": reason} for i, (text, reason) in enumerate(samples)]
+        return self._wrap(choices, chunk=False, usage=use)
 
-    def first_chunks(self) -> list[dict[str, Any]]:
-        return [self._delta({"role": "assistant", "content": ""}, None)]
+    def first_chunks(self, n: int) -> list[dict[str, Any]]:
+        return [self._delta({"role": "assistant", "content": ""}, None, i) for i in range(n)]
 
-    def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
-        return self._delta({"content": text}, finish_reason)
+    def chunk(self, text: str, finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
+        return self._delta({"content": text}, finish_reason, index)
 
-    def last_chunk(self, finish_reason: str | None) -> dict[str, Any]:
-        return self._delta({}, finish_reason)
+    def last_chunk(self, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+        return self._delta({}, finish_reason, index)
 
-    def _delta(self, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
-        return self._wrap([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+    def _delta(self, delta: dict[str, str], finish_reason: str | None, index: int) -> dict[str, Any]:
+        return self._wrap([{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
