@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from tformer import ModelConfig, build_model
 from tformer.data.tokenizer import Tokenizer
 from tformer.inference import Completion, Engine, EngineConfig, RequestError, SamplingParams
+from tformer.inference.quantize import quantize as quantize_linears
 from tformer.interop.loading import load_pretrained
 from tformer.serve import AsyncEngine, EngineStopped, create_app
 
@@ -86,8 +87,10 @@ class LiveServer:
 class Offline:
     """The reference: an offline Engine on its own copy of the same checkpoint."""
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, quantize: str | None = None) -> None:
         model, self.tokenizer = load_pretrained(path)
+        if quantize:
+            quantize_linears(model, quantize)
         self.engine = Engine(model, self.tokenizer)
 
     def complete(self, prompt: str | list[int], **params: Any) -> Completion:
@@ -450,16 +453,19 @@ def test_smollm2_answers_equal_the_offline_engine(one_thread, smollm2_pretrained
 # ---- `tformer serve` as a process: API key, disconnects, SIGTERM -------------------------------------------------
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
+QUANTIZE = "int8"  # the served model's weights: the offline reference quantizes its copy the same way
 
 
 class CliServer:
-    """`python -m tformer serve` on a tiny checkpoint with a 1024-token context, started when the module starts."""
+    """`python -m tformer serve` on a tiny checkpoint with a 1024-token context and INT8 weights, started when the
+    module starts."""
 
     def __init__(self, path: Path, log: Path) -> None:
         self.path, self.log = path, log
         self.url = f"http://127.0.0.1:{free_port()}"
         command = [sys.executable, "-m", "tformer", "serve", "--model", str(path), "--port", self.url.rsplit(":", 1)[1],
-                   "--api-key", KEY, "--model-name", NAME]
+                   "--api-key", KEY, "--model-name", NAME, "--quantize", QUANTIZE, "--max-seqs", "16",
+                   "--kv-cache-mb", "64"]
         with open(log, "wb") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
 
@@ -502,7 +508,7 @@ def test_api_key_is_required_on_v1(cli) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{cli.url}/v1", api_key="nope", max_retries=0).models.list()
     api = openai.OpenAI(base_url=f"{cli.url}/v1", api_key=KEY, max_retries=0)
-    expected = Offline(cli.path).complete("the cat", max_tokens=6, temperature=0.0)
+    expected = Offline(cli.path, QUANTIZE).complete("the cat", max_tokens=6, temperature=0.0)
     assert api.completions.create(model=NAME, prompt="the cat", max_tokens=6, temperature=0).choices[0].text == \
         expected.text
     unauthorized = 'tformer_requests_total{endpoint="/v1/models",status="401"}'
@@ -540,7 +546,7 @@ def test_disconnected_clients_free_their_kv_blocks(cli) -> None:
 
 def test_sigterm_lets_streams_finish_then_exits(cli) -> None:
     """Runs last: the server stops accepting, finishes the stream in flight, stops the engine and exits."""
-    expected = Offline(cli.path).complete("a dog", max_tokens=80, temperature=0.0, ignore_eos=True)
+    expected = Offline(cli.path, QUANTIZE).complete("a dog", max_tokens=80, temperature=0.0, ignore_eos=True)
     body = {"model": NAME, "prompt": "a dog", "max_tokens": 80, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{cli.url}{CMPL}", headers=AUTH, json=body, timeout=60) as response:
         lines = response.iter_lines()

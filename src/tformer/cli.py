@@ -155,7 +155,9 @@ def generate(
 
 
 def serve(
-    *, model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, model_name: str | None = None
+    *, model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, model_name: str | None = None,
+    quantize: str | None = None, max_model_len: int = 0, max_seqs: int = 64, max_batched_tokens: int = 512,
+    kv_cache_mb: int = 1024,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics).
 
@@ -164,10 +166,19 @@ def serve(
     port: TCP port to listen on
     api_key: require 'Authorization: Bearer KEY' on /v1 routes (default: $TFORMER_API_KEY, else none)
     model_name: the model id clients send and /v1/models lists (default: the file or directory name)
+    quantize: int8 or int4 weight-only quantization of the linear layers (default: none)
+    max_model_len: the context a request may fill, prompt and output (default 0: the model's)
+    max_seqs: requests decoded together in one continuous batch
+    max_batched_tokens: tokens per engine step; longer prompts are prefilled in chunks of this size
+    kv_cache_mb: memory for the paged KV cache, in MiB
     """
+    from tformer.inference import EngineConfig
     from tformer.serve import run_server
 
-    run_server(model, host=host, port=port, api_key=api_key, model_name=model_name)
+    config = EngineConfig(max_model_len=max_model_len, max_seqs=max_seqs, max_batched_tokens=max_batched_tokens,
+                          kv_cache_bytes=kv_cache_mb << 20)
+    run_server(model, host=host, port=port, api_key=api_key, model_name=model_name, engine_config=config,
+               quantize=quantize)
 
 
 def convert(source: str, *, out: str, to: str = "tformer") -> None:

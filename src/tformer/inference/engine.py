@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tformer.config import ConfigError
 from tformer.inference.paged import BlockAllocator, PagedKVCache
 from tformer.inference.runner import StepBatch, make_runner
 from tformer.inference.sampling import RequestError, SamplingParams, make_generator, sample_token
@@ -38,6 +39,12 @@ class EngineConfig:
     max_seqs: int = 64
     max_model_len: int = 0  # 0: the model's max_seq_len
     prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name, least in (("block_size", 1), ("num_blocks", 0), ("kv_cache_bytes", 1), ("max_batched_tokens", 1),
+                            ("max_seqs", 1), ("max_model_len", 0)):
+            if getattr(self, name) < least:
+                raise ConfigError(f"EngineConfig.{name} must be at least {least}, got {getattr(self, name)}")
 
 
 @dataclass

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tformer.config import ConfigError
+
 QUANT_MODES = ("int8", "int4")
 
 
@@ -85,7 +87,7 @@ def quantize(model: nn.Module, mode: str = "int8", group_size: int = 64) -> nn.M
     Embedding tables stay in floating point. A layer whose shape INT4's kernel cannot take stays as it is.
     """
     if mode not in QUANT_MODES:
-        raise ValueError(f"unknown quantization mode {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
+        raise ConfigError(f"unknown quantization mode {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is not nn.Linear:

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import uvicorn
 
+from tformer.config import ConfigError
 from tformer.inference import Engine, EngineConfig
+from tformer.inference.quantize import QUANT_MODES
+from tformer.inference.quantize import quantize as quantize_linears
 from tformer.interop.loading import load_pretrained
 from tformer.serve.app import create_app
 from tformer.serve.async_engine import AsyncEngine
@@ -37,10 +40,16 @@ def run_server(
     model_name: str | None = None,
     engine_config: EngineConfig | None = None,
     shutdown_timeout: float = 10.0,
+    quantize: str | None = None,
 ) -> None:
-    """Serves `model` (a .gguf file, a tformer checkpoint or a Hugging Face directory) until interrupted."""
+    """Serves `model` (a .gguf file, a tformer checkpoint or a Hugging Face directory) until interrupted;
+    `quantize` ('int8' or 'int4') swaps its linear layers for weight-only quantized ones first."""
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    if quantize is not None and quantize not in QUANT_MODES:
+        raise ConfigError(f"unknown quantization {quantize!r}; choose one of: {', '.join(QUANT_MODES)}")
     net, tokenizer = load_pretrained(model)
+    if quantize is not None:
+        quantize_linears(net, quantize)
     engine = AsyncEngine(Engine(net, tokenizer, engine_config))
     app = create_app(engine, tokenizer, model_name or default_model_name(model), api_key)
     if host not in LOOPBACK and not api_key:
