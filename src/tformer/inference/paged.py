@@ -213,18 +213,21 @@ class PagedKVCache:
         n_keys = int(positions.max()) + 1
         write_slots = self.slots(tables, positions).reshape(-1)
         keep = write_slots >= 0
+        if bool(keep.all()):  # no padding (e.g. a decode step): no row selection in every layer
+            keep = None
         key_positions = torch.arange(n_keys, device=positions.device).expand(len(tables), n_keys)
         read_slots = self.slots(tables, key_positions)  # (B, n_keys)
-        return [
-            PagedLayerKV(k, v, write_slots[keep], keep, read_slots) for k, v in zip(self.k, self.v, strict=True)
-        ]
+        if keep is not None:
+            write_slots = write_slots[keep]
+        return [PagedLayerKV(k, v, write_slots, keep, read_slots) for k, v in zip(self.k, self.v, strict=True)]
 
 
 class PagedLayerKV:
     """One layer's window on the paged cache during one step (the `update(positions, k, v)` protocol)."""
 
     def __init__(
-        self, k: torch.Tensor, v: torch.Tensor, write_slots: torch.Tensor, keep: torch.Tensor, read_slots: torch.Tensor
+        self, k: torch.Tensor, v: torch.Tensor, write_slots: torch.Tensor, keep: torch.Tensor | None,
+        read_slots: torch.Tensor,
     ) -> None:
         self.k, self.v = k, v
         self.write_slots, self.keep, self.read_slots = write_slots, keep, read_slots
@@ -234,8 +237,10 @@ class PagedLayerKV:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes k, v (B, Hkv, T, D) of the real tokens, returns every row's keys and values (B, Hkv, Tk, D)."""
         B, H, T, D = k.shape
-        new_k = k.transpose(1, 2).reshape(B * T, H, D)[self.keep]
-        new_v = v.transpose(1, 2).reshape(B * T, H, D)[self.keep]
+        new_k = k.transpose(1, 2).reshape(B * T, H, D)
+        new_v = v.transpose(1, 2).reshape(B * T, H, D)
+        if self.keep is not None:  # drop the padding
+            new_k, new_v = new_k[self.keep], new_v[self.keep]
         self.k.index_copy_(0, self.write_slots, new_k.to(self.k.dtype))
         self.v.index_copy_(0, self.write_slots, new_v.to(self.v.dtype))
         keys = self.k[self.read_slots]  # (B, Tk, Hkv, D)
