@@ -10,7 +10,7 @@ import torch
 
 from test_engine import reference_greedy
 from tformer.inference import Engine, EngineConfig, SamplingParams
-from tformer.inference.quantize import quantize
+from tformer.inference.quantize import quantize, set_precision
 from tformer.inference.speculative import SpeculativeStats, speculative_generate
 
 N_TOKENS = 12
@@ -69,3 +69,13 @@ def test_speculative_decoding_with_an_int8_draft(smollm2) -> None:
     out = speculative_generate(model, draft, prompts, GREEDY, k=3, stats=stats)
     assert out == [reference(model, p) for p in prompts]
     assert stats.target_calls < N_TOKENS and stats.acceptance_rate > 0.5
+
+
+def test_bf16_weights_give_the_bf16_uncached_tokens_and_still_answer(smollm2) -> None:
+    model, tokenizer, prompts = smollm2
+    bf16 = set_precision(copy.deepcopy(model), "bfloat16")
+    assert next(bf16.parameters()).dtype == torch.bfloat16
+    engine = Engine(bf16, tokenizer, EngineConfig(block_size=16))
+    results = engine.generate(prompts[:2], GREEDY)
+    assert [r.token_ids for r in results] == [reference_greedy(bf16, p, N_TOKENS) for p in prompts[:2]]
+    assert "Paris" in engine.generate(prompts[0], SamplingParams(max_tokens=20, temperature=0.0))[0].text

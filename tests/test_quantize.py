@@ -67,3 +67,18 @@ def test_engine_serves_a_quantized_model_like_its_uncached_forward(mode: str) ->
         prompts, SamplingParams(max_tokens=8, temperature=0.0)
     )
     assert [r.token_ids for r in results] == [reference_greedy(model, p, 8) for p in prompts]
+
+
+def test_set_precision_casts_or_quantizes_and_refuses_bad_choices() -> None:
+    from tformer import ModelConfig, build_model
+    from tformer.config import ConfigError
+    from tformer.inference.quantize import Int8Linear, set_precision
+
+    model = build_model(ModelConfig.from_preset("tiny-llama"))
+    assert {p.dtype for p in set_precision(model, "bfloat16").parameters()} == {torch.bfloat16}
+    model = build_model(ModelConfig.from_preset("tiny-llama"))
+    assert any(isinstance(m, Int8Linear) for m in set_precision(model, "float32", "int8").modules())
+    with pytest.raises(ConfigError, match="unknown dtype 'fp8'"):
+        set_precision(model, "fp8")
+    with pytest.raises(ConfigError, match="leave dtype at float32"):
+        set_precision(model, "bfloat16", "int4")

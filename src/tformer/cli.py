@@ -126,6 +126,7 @@ def generate(
     seed: int | None = None,
     chat: bool = True,
     quantize: str | None = None,
+    dtype: str = "float32",
 ) -> None:
     """Generate text from prompts given as arguments, or one per line from stdin, streaming as it goes.
 
@@ -134,16 +135,18 @@ def generate(
     temperature: 0 is greedy
     chat: wrap each prompt as a user message with the tokenizer's chat template, when it has one
     quantize: int8 or int4 weight-only quantization of the linear layers (default: none)
+    dtype: the weights' dtype: float32, bfloat16 or float16
     """
     from tformer.inference import Engine, SamplingParams
-    from tformer.inference.quantize import quantize as quantize_model
+    from tformer.inference.quantize import WEIGHT_DTYPES, set_precision
     from tformer.interop.loading import load_pretrained
 
+    if dtype not in WEIGHT_DTYPES:  # before the (slow) load
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of: {', '.join(WEIGHT_DTYPES)}")
     net, tokenizer = load_pretrained(model)
     if tokenizer is None:
         raise CheckpointError(f"{model} has no tokenizer.json; `tformer generate` needs one to read text prompts")
-    if quantize:
-        quantize_model(net, quantize)
+    set_precision(net, dtype, quantize)
     engine = Engine(net, tokenizer)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     for prompt in prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]:
@@ -156,8 +159,8 @@ def generate(
 
 def serve(
     *, model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, model_name: str | None = None,
-    quantize: str | None = None, max_model_len: int = 0, max_seqs: int = 64, max_batched_tokens: int = 512,
-    kv_cache_mb: int = 1024,
+    quantize: str | None = None, dtype: str = "float32", max_model_len: int = 0, max_seqs: int = 64,
+    max_batched_tokens: int = 512, kv_cache_mb: int = 1024,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics).
 
@@ -167,6 +170,7 @@ def serve(
     api_key: require 'Authorization: Bearer KEY' on /v1 routes (default: $TFORMER_API_KEY, else none)
     model_name: the model id clients send and /v1/models lists (default: the file or directory name)
     quantize: int8 or int4 weight-only quantization of the linear layers (default: none)
+    dtype: the weights' dtype: float32, bfloat16 or float16
     max_model_len: the context a request may fill, prompt and output (default 0: the model's)
     max_seqs: requests decoded together in one continuous batch
     max_batched_tokens: tokens per engine step; longer prompts are prefilled in chunks of this size
@@ -178,7 +182,7 @@ def serve(
     config = EngineConfig(max_model_len=max_model_len, max_seqs=max_seqs, max_batched_tokens=max_batched_tokens,
                           kv_cache_bytes=kv_cache_mb << 20)
     run_server(model, host=host, port=port, api_key=api_key, model_name=model_name, engine_config=config,
-               quantize=quantize)
+               quantize=quantize, dtype=dtype)
 
 
 def convert(source: str, *, out: str, to: str = "tformer") -> None:

@@ -15,8 +15,7 @@ import uvicorn
 
 from tformer.config import ConfigError
 from tformer.inference import Engine, EngineConfig
-from tformer.inference.quantize import QUANT_MODES
-from tformer.inference.quantize import quantize as quantize_linears
+from tformer.inference.quantize import QUANT_MODES, WEIGHT_DTYPES, set_precision
 from tformer.interop.loading import load_pretrained
 from tformer.serve.app import create_app
 from tformer.serve.async_engine import AsyncEngine
@@ -41,15 +40,17 @@ def run_server(
     engine_config: EngineConfig | None = None,
     shutdown_timeout: float = 10.0,
     quantize: str | None = None,
+    dtype: str = "float32",
 ) -> None:
-    """Serves `model` (a .gguf file, a tformer checkpoint or a Hugging Face directory) until interrupted;
-    `quantize` ('int8' or 'int4') swaps its linear layers for weight-only quantized ones first."""
+    """Serves `model` (a .gguf file, a tformer checkpoint or a Hugging Face directory) until interrupted, in
+    `dtype`, or with its linear layers quantized ('int8' or 'int4')."""
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
-    if quantize is not None and quantize not in QUANT_MODES:
+    if quantize is not None and quantize not in QUANT_MODES:  # checked before the (slow) load
         raise ConfigError(f"unknown quantization {quantize!r}; choose one of: {', '.join(QUANT_MODES)}")
+    if dtype not in WEIGHT_DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of: {', '.join(WEIGHT_DTYPES)}")
     net, tokenizer = load_pretrained(model)
-    if quantize is not None:
-        quantize_linears(net, quantize)
+    set_precision(net, dtype, quantize)
     engine = AsyncEngine(Engine(net, tokenizer, engine_config))
     app = create_app(engine, tokenizer, model_name or default_model_name(model), api_key)
     if host not in LOOPBACK and not api_key:
