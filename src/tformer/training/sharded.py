@@ -28,8 +28,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from tformer.models import CheckpointError
 
 SHARDED_DIR = "sharded"
-METADATA_MODULES = ("torch.distributed.checkpoint.", "torch.distributed.tensor.")  # DCP's metadata dataclasses
+METADATA_MODULE = "torch.distributed.checkpoint.metadata"  # its classes are plain dataclasses and enums
 SAFE_GLOBALS = {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
                 ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("collections", "OrderedDict"),
                 ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
 SAFE_GLOBALS |= {("torch", str(dtype).removeprefix("torch.")) for dtype in (
@@ -39,8 +40,12 @@ SAFE_GLOBALS |= {("torch", str(dtype).removeprefix("torch.")) for dtype in (
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(METADATA_MODULES) or (module, name) in SAFE_GLOBALS:
+        if (module, name) in SAFE_GLOBALS:
             return super().find_class(module, name)
+        if module == METADATA_MODULE:
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == METADATA_MODULE:  # a class, not a function
+                return found
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
 
 
