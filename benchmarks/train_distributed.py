@@ -59,6 +59,7 @@ from train_step import Report, source_state
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = ROOT / "configs" / "en-de-10min.yaml"
 RECIPE_FILE = "bench-recipe.yaml"
+STOP_GRACE_S = 60.0  # seconds a stopped run gets to end its ranks before it is killed
 NEVER = 10**9  # eval_every / save_every: no evaluation or checkpoint while measuring
 
 # substrings of the profiler's op names that mark a collective: c10d ops (c10d::allreduce_, ...) and the
@@ -361,17 +362,29 @@ def children_cpu_seconds() -> float:
 
 
 def run_logged(command: list[str], env: dict[str, str], log: Path, timeout: float) -> int | None:
-    """Runs `command` with its output in `log`; the exit code, or None when it ran past `timeout` and was
-    stopped with everything it started (torchrun's ranks too: they share its new process group)."""
+    """Runs `command` with its output in `log`; the exit code, or None when it ran past `timeout`. On a timeout,
+    Ctrl-C or when this script is terminated, the command gets SIGTERM (torchrun passes it on to its ranks, which
+    run in process groups of their own), then SIGKILL if it is still there after `STOP_GRACE_S`."""
     with open(log, "w", encoding="utf-8") as f:
         process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                   start_new_session=True)
+                                   start_new_session=True)  # a Ctrl-C in the terminal reaches this script only
         try:
             return process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
             return None
+        finally:
+            stop(process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def log_tail(log: Path, n: int = 12) -> list[str]:
@@ -434,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         run_worker(args.worker, args.steps, args.profile_steps)
         return 0
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # clean up as after Ctrl-C
     out = Report(args.output)
     out("train_distributed: tformer training throughput per distributed strategy, CPU (gloo), one machine")
     out(f"machine: {machine_info()}")
