@@ -138,11 +138,10 @@ def generate(
     dtype: the weights' dtype: float32, bfloat16 or float16
     """
     from tformer.inference import Engine, SamplingParams
-    from tformer.inference.quantize import WEIGHT_DTYPES, set_precision
+    from tformer.inference.quantize import check_precision, set_precision
     from tformer.interop.loading import load_pretrained
 
-    if dtype not in WEIGHT_DTYPES:  # before the (slow) load
-        raise ConfigError(f"unknown dtype {dtype!r}; choose one of: {', '.join(WEIGHT_DTYPES)}")
+    check_precision(dtype, quantize)  # before the (slow) load
     net, tokenizer = load_pretrained(model)
     if tokenizer is None:
         raise CheckpointError(f"{model} has no tokenizer.json; `tformer generate` needs one to read text prompts")

@@ -102,16 +102,23 @@ def quantize(model: nn.Module, mode: str = "int8", group_size: int = 64) -> nn.M
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_precision(dtype: str = "float32", quantize_mode: str | None = None) -> None:
+    """Raises ConfigError for a dtype or quantization `set_precision` cannot apply (call it before a slow load)."""
+    if dtype not in WEIGHT_DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of: {', '.join(WEIGHT_DTYPES)}")
+    if quantize_mode is not None and quantize_mode not in QUANT_MODES:
+        raise ConfigError(f"unknown quantization mode {quantize_mode!r}; choose one of: {', '.join(QUANT_MODES)}")
+    if quantize_mode is not None and dtype != "float32":
+        raise ConfigError(f"quantize {quantize_mode} keeps activations in float32: leave dtype at float32 with it")
+
+
 def set_precision(model: nn.Module, dtype: str = "float32", quantize_mode: str | None = None) -> nn.Module:
     """The serving precision of `model`: all weights cast to `dtype`, or (from float32) the linear layers quantized.
 
     Decoding reads every weight once a token, so bf16 halves the bytes (on a CPU with AVX512-BF16 that made
     SmolLM2's batch-1 decoding about 1.3x faster); INT8 / INT4 quarter / eighth the linear layers' bytes.
     """
-    if dtype not in WEIGHT_DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}; choose one of: {', '.join(WEIGHT_DTYPES)}")
-    if quantize_mode is not None and dtype != "float32":
-        raise ConfigError(f"quantize {quantize_mode} keeps activations in float32: leave dtype at float32 with it")
+    check_precision(dtype, quantize_mode)
     if quantize_mode is not None:
         return quantize(model, quantize_mode)
     return model.to(WEIGHT_DTYPES[dtype])

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import uvicorn
 
-from tformer.config import ConfigError
 from tformer.inference import Engine, EngineConfig
-from tformer.inference.quantize import QUANT_MODES, WEIGHT_DTYPES, set_precision
+from tformer.inference.quantize import check_precision, set_precision
 from tformer.interop.loading import load_pretrained
 from tformer.serve.app import create_app
 from tformer.serve.async_engine import AsyncEngine
@@ -45,10 +44,7 @@ def run_server(
     """Serves `model` (a .gguf file, a tformer checkpoint or a Hugging Face directory) until interrupted, in
     `dtype`, or with its linear layers quantized ('int8' or 'int4')."""
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
-    if quantize is not None and quantize not in QUANT_MODES:  # checked before the (slow) load
-        raise ConfigError(f"unknown quantization {quantize!r}; choose one of: {', '.join(QUANT_MODES)}")
-    if dtype not in WEIGHT_DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}; choose one of: {', '.join(WEIGHT_DTYPES)}")
+    check_precision(dtype, quantize)  # before the (slow) load
     net, tokenizer = load_pretrained(model)
     set_precision(net, dtype, quantize)
     engine = AsyncEngine(Engine(net, tokenizer, engine_config))
