@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,13 @@ def one_thread() -> Iterator[None]:
 
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now (for servers and rendezvous the tests start)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def smollm2_path() -> Path:

@@ -13,7 +13,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import free_port
 from test_training import write_recipe
 from tformer.config import ConfigError
 from tformer.models import WEIGHTS_FILE, CheckpointError, build_model, load
@@ -164,12 +164,6 @@ def test_tensor_parallel_logits_and_gradients_equal_the_unsharded_model(tmp_path
 
 
 # ---- failures ------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("how", ["killed", "hung"])

@@ -26,6 +26,7 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import free_port
 from tformer import ModelConfig, build_model
 from tformer.data.tokenizer import Tokenizer
 from tformer.inference import Completion, Engine, EngineConfig, RequestError, SamplingParams
@@ -51,12 +52,6 @@ def save_tiny_checkpoint(directory: Path, max_seq_len: int) -> Path:
     build_model(config).eval().save(directory)
     tokenizer.save(directory)
     return directory
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class LiveServer:
