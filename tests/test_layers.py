@@ -228,6 +228,29 @@ def test_attention_matches_multi_head_formula(backend: str, kind: str) -> None:
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("per_head_bias", [False, True])
+def test_single_query_attention_in_low_precision_matches_the_math_backend(dtype, per_head_bias: bool) -> None:
+    """The decode-step path of the sdpa backend (one query per row, bf16/fp16, CPU): GQA 6 query heads on 2 KV
+    heads, rows of different lengths (padding bias), optionally a per-head bias as ALiBi gives."""
+    from tformer.layers.attention import math_attention, sdpa_attention, single_query_attention
+
+    B, H, Hkv, Tk, D = 3, 6, 2, 11, 8
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, Hkv, Tk, D), torch.randn(B, Hkv, Tk, D)
+    padding = torch.arange(Tk)[None] < torch.tensor([[11], [4], [7]])  # (B, Tk): real keys per row
+    bias = torch.zeros(B, H if per_head_bias else 1, 1, Tk)
+    if per_head_bias:
+        bias -= torch.rand(1, H, 1, 1) * (Tk - 1 - torch.arange(Tk))  # -slope * distance
+    mask = AttentionMask(bias=bias.masked_fill(~padding[:, None, None], torch.finfo(torch.float32).min))
+    expected, _ = math_attention(q, k, v, mask, 0.0)  # fp32 reference
+    low = AttentionMask(bias=mask.bias.to(dtype))
+    out, _ = sdpa_attention(q.to(dtype), k.to(dtype), v.to(dtype), low, 0.0)  # B > 1: the single-query path
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+    out32 = single_query_attention(q, k, v, mask)  # exact arithmetic apart from rounding
+    torch.testing.assert_close(out32, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_math_backend_keeps_softmax_weights() -> None:
     attn = randomize(Attention(tiny_config("tiny-transformer", attention_backend="math"))).eval()
     attn.keep_weights = True
