@@ -109,6 +109,29 @@ def test_prefix_cache_hits_give_the_same_tokens() -> None:
     assert rest.token_ids == reference_greedy(model, prompts[2], 12)
 
 
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-transformer"])
+def test_compiled_decode_steps_give_the_uncached_tokens(preset: str) -> None:
+    """EngineConfig(compile=True): decode steps of one row and of several rows (each compiles once) run compiled,
+    prefill chunks eager; fp32, so the tokens must be the uncached forward's exactly."""
+    model = make_model(tiny_config(preset))
+    prompts = [[t if t > 2 else 3 for t in p] for p in prompts_of_mixed_lengths(model.config.vocab_size, (6, 11, 3))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    from torch._dynamo.utils import counters
+
+    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=32, compile=True))
+    frames_before = counters["frames"]["ok"]
+    alone = engine.generate([prompts[0]], params)[0].token_ids  # batch size 1
+    together = [r.token_ids for r in engine.generate(prompts, params)]
+    assert counters["frames"]["ok"] > frames_before  # dynamo did compile frames of the decoder
+    if preset == "tiny-llama":
+        expected = [reference_greedy(model, p, 8) for p in prompts]
+    else:
+        width = max(map(len, prompts))
+        src = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+        expected = greedy_search(model, src, src != 0, max_len=8, bos_id=1, eos_id=-1)
+    assert [alone, *together] == [expected[0], *expected]
+
+
 @pytest.mark.parametrize("block_size", [4, 64])
 def test_encoder_decoder_engine_equals_greedy_search(block_size: int) -> None:
     model = make_model(tiny_config("tiny-transformer"))

@@ -39,6 +39,7 @@ class EngineConfig:
     max_seqs: int = 64
     max_model_len: int = 0  # 0: the model's max_seq_len
     prefix_caching: bool = True
+    compile: bool = False  # decode steps through torch.compile (see runner.py)
 
     def __post_init__(self) -> None:
         for name, least in (("block_size", 1), ("num_blocks", 0), ("kv_cache_bytes", 1), ("max_batched_tokens", 1),
@@ -80,7 +81,7 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
-        self.runner = make_runner(model)
+        self.runner = make_runner(model, self.config.compile)
         mc = model.config
         self.max_model_len = self.config.max_model_len or mc.max_seq_len
         weight = model.decoder.tokens.weight  # the embedding stays in floating point, even when quantized
