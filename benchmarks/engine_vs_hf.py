@@ -16,10 +16,12 @@ greedy tokens agree before timing.
 
 With `--dtype bfloat16` both sides run the same weights cast to bf16; bf16 rounding differs between the two
 implementations, so there the greedy check reports how many leading tokens agree instead of requiring all of
-them. `--serve-with int4` (or int8) runs part 2 on tformer's quantized model instead of the float one.
+them. `--serve-with int4` (or int8) runs part 2 on tformer's quantized model instead of the float one, and
+`--compile` runs tformer's decode steps through torch.compile (`EngineConfig(compile=True)`; the warm-up
+round and the greedy check pay the compilation).
 
     .venv/bin/python benchmarks/engine_vs_hf.py [--rounds 3] [--new-tokens 64] [--requests 32] [--dtype bfloat16]
-                                                [--serve-with float|int8|int4]
+                                                [--serve-with float|int8|int4] [--compile]
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides' weights")
     parser.add_argument("--serve-with", choices=["float", "int8", "int4"], default="float",
                         help="tformer's weights in part 2 (default: the same float weights as HF)")
+    parser.add_argument("--compile", action="store_true", help="tformer's decode steps through torch.compile")
     args = parser.parse_args()
     threads = set_threads(args.threads)
     import transformers
@@ -164,7 +167,7 @@ def main() -> None:
         models[f"tformer {mode}"] = set_precision(load_pretrained(path)[0], "bfloat16", mode)
     hf = hf.to(WEIGHT_DTYPES[args.dtype])
     first = next(iter(models))
-    engines = {name: Engine(m, tokenizer) for name, m in models.items()}
+    engines = {name: Engine(m, tokenizer, EngineConfig(compile=args.compile)) for name, m in models.items()}
     prompt = chat_ids(tokenizer, "Tell me a short story about a lighthouse keeper.")
     check = engines[first].generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     with torch.inference_mode():
@@ -199,7 +202,10 @@ def batch1(engines: dict[str, Engine], hf, prompt: list[int], args, threads: int
 
 def serving(model, hf, tokenizer, args) -> None:
     requests = workload(tokenizer, args.requests)
-    ours = run_engine_workload(Engine(model, tokenizer, EngineConfig(block_size=16)), requests)
+    engine = Engine(model, tokenizer, EngineConfig(block_size=16, compile=args.compile))
+    if args.compile:  # compile the decode step (1 row and several rows) on other prompts, untimed
+        run_engine_workload(engine, workload(tokenizer, 3, seed=1))
+    ours = run_engine_workload(engine, requests)
     theirs = run_hf_static(hf, requests, pad_id=tokenizer.pad_id or 0)
     print(f"\n2. {args.requests} requests arriving together (prompts {min(len(p) for p, _ in requests)}-"
           f"{max(len(p) for p, _ in requests)} tokens, outputs {min(m for _, m in requests)}-"

