@@ -104,8 +104,8 @@ def describe_weights(name: str, path: Path) -> str:
     compiled = ", compiled decode" if variant.endswith(COMPILE) else ""
     if mode is None:
         return f"{dtype}, dequantized from the GGUF by from_gguf (embedding tied to the head){compiled}"
-    return (f"{mode} linears incl. the head (int8 head with int4; quantized from fp32), {dtype} activations and "
-            f"embedding (row lookups only){compiled}")
+    linears = "int8 linears incl. the head" if mode == "int8" else "int4 linears, int8 head"
+    return f"{linears} (quantized from fp32), {dtype} activations and embedding (row lookups only){compiled}"
 
 
 def load_llamacpp(path: Path, threads: int, context: int):

@@ -8,7 +8,7 @@ import torch
 from conftest import make_model, tiny_config
 from tformer.inference.engine import Engine, EngineConfig
 from tformer.inference.sampling import RequestError, SamplingParams
-from tformer.inference.search import greedy_search
+from tformer.inference.search import beam_search, beam_search_decoder, greedy_search
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 DECODERS = {
@@ -132,6 +132,38 @@ def test_compiled_decode_steps_give_the_uncached_tokens(preset: str) -> None:
     assert [alone, *together] == [expected[0], *expected]
 
 
+@pytest.mark.parametrize("beam_width, num_blocks", [(3, 128), (4, 128), (4, 36)], ids=["3", "4", "4-preempting"])
+def test_engine_beam_search_equals_the_offline_beam_search(beam_width: int, num_blocks: int) -> None:
+    """Beams as sequences sharing KV blocks (copy-on-write), against search.beam_search_decoder on a contiguous
+    cache; with 36 blocks of 4 the five requests' beams cannot all fit, so beams are preempted and recomputed."""
+    model = make_model(tiny_config("tiny-llama"))
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size)
+    tokenizer = CharTokenizer()
+    # </s>: a token the first search picks 4th, so that some hypotheses end early
+    tokenizer.eos_id = beam_search_decoder(model, prompts[:1], 10, -1, beam_width, 0.6)[0][3]
+    params = SamplingParams(max_tokens=10, beam_width=beam_width, length_penalty=0.6)
+    engine = Engine(model, tokenizer, EngineConfig(block_size=4, num_blocks=num_blocks, max_batched_tokens=64))
+    results = engine.generate(prompts, params)
+    expected = beam_search_decoder(model, prompts, 10, tokenizer.eos_id, beam_width, 0.6)
+    assert [r.token_ids[: len(r.token_ids) - (r.finish_reason == "stop")] for r in results] == expected
+    assert [r.finish_reason for r in results] == ["stop" if len(e) < 10 else "length" for e in expected]
+    assert "stop" in [r.finish_reason for r in results]
+    assert all(r.token_ids[-1] == tokenizer.eos_id for r in results if r.finish_reason == "stop")
+    assert engine.num_block_copies > 0 and engine.num_blocks_in_use == 0
+    assert (engine.num_preemptions > 0) == (num_blocks == 36)
+
+
+def test_engine_beam_search_for_an_encoder_decoder_equals_beam_search() -> None:
+    model = make_model(tiny_config("tiny-transformer"))
+    sources = [[t if t > 2 else 3 for t in s] for s in prompts_of_mixed_lengths(model.config.vocab_size, (6, 11, 3))]
+    params = SamplingParams(max_tokens=9, beam_width=4, length_penalty=0.6, ignore_eos=True)
+    results = Engine(model, config=EngineConfig(block_size=4, num_blocks=64)).generate(sources, params)
+    width = max(map(len, sources))
+    src = torch.tensor([s + [0] * (width - len(s)) for s in sources])
+    expected = beam_search(model, src, src != 0, max_len=9, bos_id=1, eos_id=-1, beam_size=4, alpha=0.6)
+    assert [r.token_ids for r in results] == expected
+
+
 @pytest.mark.parametrize("block_size", [4, 64])
 def test_encoder_decoder_engine_equals_greedy_search(block_size: int) -> None:
     model = make_model(tiny_config("tiny-transformer"))
@@ -207,6 +239,10 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(prompt, params, m
         (dict(top_k=-1), "top_k"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(stop=[""]), "stop"),
+        (dict(beam_width=0), "beam_width must be a positive integer"),
+        (dict(beam_width=4, n=2), "leave n at 1"),
+        (dict(beam_width=4, stop=["."]), "no stop strings"),
+        (dict(beam_width=2, length_penalty=float("nan")), "length_penalty"),
     ],
 )
 def test_invalid_sampling_parameters(kwargs: dict, message: str) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tformer.config import ConfigError
+from tformer.inference.beams import BeamGroup
 from tformer.inference.paged import BlockAllocator, PagedKVCache
 from tformer.inference.runner import StepBatch, make_runner
 from tformer.inference.sampling import RequestError, SamplingParams, make_generator, sample_token
@@ -96,6 +97,7 @@ class Engine:
             self.allocator, self.config.max_batched_tokens, self.config.max_seqs, prefix_caching=prefix_caching
         )
         self.sequences: dict[str, Sequence] = {}
+        self._beam_groups: dict[str, BeamGroup] = {}
         self._trackers: dict[str, TextTracker] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
@@ -121,11 +123,18 @@ class Engine:
         seq = self._new_sequence(request_id, self._encode(prompt), params)
         self.sequences[request_id] = seq
         self._trackers[request_id] = TextTracker(self.tokenizer, params.stop)
+        if params.beam_width > 1:
+            eos = self._eos_ids()
+            self._beam_groups[request_id] = BeamGroup(seq, -1 if params.ignore_eos or not eos else min(eos))
         self.scheduler.add(seq)
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Cancels a request, every sample of it (a client went away): its blocks return to the pool at once."""
+        """Cancels a request, every sample or beam of it (a client went away): its blocks return to the pool."""
+        group = self._beam_groups.pop(request_id, None)
+        for member in group.live if group is not None else []:
+            if member.status is not Status.FINISHED:
+                self.scheduler.finish(member, "abort")
         first = self.sequences.get(request_id)
         n = first.params.n if first is not None else 1
         for key in [_key(request_id, i) for i in range(n)]:
@@ -177,7 +186,8 @@ class Engine:
                 f"max_tokens exceed the context of {self.max_model_len}; use max_tokens <= "
                 f"{self.max_model_len - len(prompt)}"
             )
-        blocks = self.allocator.blocks_needed([], len(prompt) + params.max_tokens)
+        # every beam may need its own blocks in the end; a beam group that fits alone can always make progress
+        blocks = self.allocator.blocks_needed([], len(prompt) + params.max_tokens) * params.beam_width
         if blocks > self.allocator.pool.num_blocks:
             raise RequestError(f"the request needs {blocks} KV blocks; the pool has {self.allocator.pool.num_blocks}")
         return Sequence(request_id, prompt, params, generator, source=source)
@@ -219,7 +229,9 @@ class Engine:
         for row, (seq, n) in enumerate(scheduled):
             seq.n_computed += n
             self.scheduler.computed(seq)
-            if seq.n_pending == 0:
+            if seq.n_pending == 0 and seq.params.beam_width > 1:
+                outputs += self._beam_step(seq, logits[row])
+            elif seq.n_pending == 0:
                 forks = self._fork(seq) if not seq.output and seq.params.n > 1 else []
                 for member in [seq, *forks]:  # samples of one prompt draw their first tokens from the same logits
                     member.output.append(sample_token(logits[row], member.params, member.generator))
@@ -241,6 +253,29 @@ class Engine:
             self.scheduler.running.append(child)
             children.append(child)
         return children
+
+    def _beam_step(self, seq: Sequence, logits: torch.Tensor) -> list[RequestOutput]:
+        """A beam's next-token logits; once the request's live beams all have theirs, the beams move on.
+
+        Beam search streams nothing until it ends: then one output carries the best hypothesis whole.
+        """
+        group = self._beam_groups[seq.request_id]
+        if not group.record(seq, logits):
+            return []
+        old = group.live
+        new = group.advance(self.allocator)  # forks the new beams before the old ones release their blocks
+        for member in old:
+            self.scheduler.finish(member, "beam")
+        if new is not None:
+            self.scheduler.running += new
+            return []
+        del self._beam_groups[seq.request_id]
+        tokens, ended = group.result()
+        eos = [min(self._eos_ids())] if ended else []
+        tracker = self._trackers[seq.request_id]
+        text, _ = tracker.push(tokens + eos, stop_token=ended)
+        reason = "stop" if ended else "length"
+        return [RequestOutput(seq.request_id, tokens + eos, text + tracker.flush(), True, reason)]
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         token = seq.output[-1]

@@ -107,8 +107,12 @@ class BlockAllocator:
     def blocks_needed(self, table: list[int], n_tokens: int) -> int:
         return max(0, -(-n_tokens // self.block_size) - len(table))
 
-    def can_grow(self, table: list[int], n_tokens: int) -> bool:
-        return self.blocks_needed(table, n_tokens) <= self.pool.num_free
+    def can_write(self, table: list[int], start: int, end: int) -> bool:
+        """Whether the free blocks cover writing positions start..end-1: the blocks the table must grow by, and a
+        copy of every shared block (a fork's or a beam's) that the write touches."""
+        first, last = start // self.block_size, min(len(table), -(-end // self.block_size))
+        shared = sum(self.pool.ref_counts[table[i]] > 1 for i in range(first, last))
+        return self.blocks_needed(table, end) + shared <= self.pool.num_free
 
     def grow(self, table: list[int], n_tokens: int) -> None:
         """Appends blocks so that `table` covers n_tokens positions; raises NoFreeBlocks (changing nothing)."""

@@ -27,6 +27,10 @@ class SamplingParams:
     `max_tokens`, at the tokenizer's end-of-sequence token (unless `ignore_eos`), at any of `stop_token_ids`,
     or when the text ends with one of `stop` (the stop string itself is not returned). With `n` > 1, sample i
     uses the seed `seed + i`, so it equals a request of its own with that seed.
+
+    `beam_width` > 1 asks for beam search instead: the request returns its best hypothesis, ranked by summed
+    log-probability over GNMT's length penalty ((5 + |y|) / 6) ** `length_penalty`; temperature, top_k, top_p
+    and seed do not apply, and stop strings, stop tokens and n > 1 are refused.
     """
 
     max_tokens: int = 16
@@ -38,6 +42,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1  # independent samples of one prompt; they share the prompt's KV blocks (copy-on-write)
+    beam_width: int = 1  # > 1: beam search; the beams share their common KV blocks (copy-on-write)
+    length_penalty: float = 0.6  # beam search: GNMT's alpha (0 ranks by raw log-probability)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +62,18 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise RequestError(f"beam_width must be a positive integer (1: no beam search), got {self.beam_width!r}")
+        if not (isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty)):
+            raise RequestError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.beam_width > 1 and (self.n > 1 or self.stop or self.stop_token_ids):
+            raise RequestError(
+                "beam search returns one hypothesis and stops at end-of-sequence or max_tokens: "
+                "leave n at 1 and give no stop strings or stop_token_ids with beam_width > 1"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -110,8 +110,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.n_pending == 0:  # a beam waiting for its siblings' logits (engine beam search)
+                i += 1
+                continue
             n = min(seq.n_pending, budget)
-            while not self.allocator.can_grow(seq.table, seq.n_computed + n):
+            while not self.allocator.can_write(seq.table, seq.n_computed, seq.n_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -132,7 +135,7 @@ class Scheduler:
                 seq.n_computed = len(seq.table) * self.allocator.block_size
                 self.prefix_hit_tokens += seq.n_computed
             n = min(seq.n_pending, budget)
-            if not self.allocator.can_grow(seq.table, seq.n_computed + n):
+            if not self.allocator.can_write(seq.table, seq.n_computed, seq.n_computed + n):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
