@@ -17,6 +17,9 @@ with at most len(source) + 50 tokens, and scored with sacreBLEU.
 
     .venv/bin/python benchmarks/translation_vs_marian.py                 # defaults: ~11 minutes on 2 quiet cores
     .venv/bin/python benchmarks/translation_vs_marian.py --budget 20 --test-sentences 32 --wait-idle 0
+
+`--bf16 tformer` trains tformer's side under bf16 autocast (what `train.bf16: true` does in tformer's trainer)
+against Marian's plain fp32 loop; `--bf16 both` puts both sides under it, the like-for-like comparison.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tformer-init", choices=["xavier", "normal"], default="xavier",
                    help="tformer's ModelConfig.init: xavier (the recipe's, default) or normal (N(0, 0.02), as HF "
                         "initialises Marian)")
+    p.add_argument("--bf16", choices=["none", "tformer", "both"], default="none",
+                   help="which sides train under bf16 autocast (default: none, both in fp32)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: os.cpu_count())")
     p.add_argument("--seed", type=int, default=1, help="model init, dropout and batch order (default 1)")
     p.add_argument("--log-every", type=int, default=50, help="print a progress line every N rounds (default 50)")
@@ -166,6 +171,7 @@ class Side:
     logits: Callable[[Seq2SeqBatch], torch.Tensor]
     optimizer: torch.optim.Optimizer = field(init=False)
     scheduler: torch.optim.lr_scheduler.LRScheduler = field(init=False)
+    bf16: bool = False  # forward and loss under torch.autocast(bfloat16)
     times: list[float] = field(default_factory=list)  # wall seconds of each step
     cpu: list[float] = field(default_factory=list)  # this process's CPU seconds of each step
     tokens: list[int] = field(default_factory=list)  # target tokens of each step
@@ -185,7 +191,8 @@ class Side:
         """One optimizer step on `batch`: the same code for both models."""
         self.model.train()
         cpu, start = time.process_time(), time.perf_counter()
-        loss_sum, n_tokens = label_smoothed_cross_entropy(self.logits(batch.data), batch.labels, LABEL_SMOOTHING)
+        with torch.autocast("cpu", torch.bfloat16, enabled=self.bf16):
+            loss_sum, n_tokens = label_smoothed_cross_entropy(self.logits(batch.data), batch.labels, LABEL_SMOOTHING)
         (loss_sum / n_tokens).backward()
         self.optimizer.step()
         self.scheduler.step()
@@ -327,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     tf = build_tformer(tok.vocab_size, args.tformer_init)
     torch.manual_seed(args.seed)
     hf = build_marian(tok)
-    sides = [Side("tformer", tf, tformer_logits(tf)), Side("Marian", hf, marian_logits(hf))]
+    sides = [Side("tformer", tf, tformer_logits(tf), bf16=args.bf16 != "none"),
+             Side("Marian", hf, marian_logits(hf), bf16=args.bf16 == "both")]
     translators = {"tformer": tformer_translate_ids, "Marian": marian_translate_ids}
     out(f"params: tformer {n_params(tf):,}, Marian {n_params(hf):,} (unique: shared + tied embeddings; Marian's "
         f"frozen sinusoid tables {2 * MAX_POSITIONS * D_MODEL:,} included, plus a final_logits_bias buffer)")
@@ -337,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     out(f"step (same code both sides): forward on the shared batch, label_smoothed_cross_entropy(eps="
         f"{LABEL_SMOOTHING}) / target tokens, backward, paper_adam (Adam 0.9/0.98/1e-9, noam scale {LR_SCALE}, "
         f"warmup {WARMUP}) step + scheduler step, zero_grad(set_to_none=True), loss.item(); batch collation "
-        f"is shared and not timed")
+        f"is shared and not timed; bf16 autocast over forward and loss: "
+        f"{', '.join(s.name for s in sides if s.bf16) or 'neither side'}")
     out(f"budget: {args.budget:g}s of step time per side, steps alternating on the same batch (order swapped "
         f"every other round); the side done first stops, the other goes on alone")
 
