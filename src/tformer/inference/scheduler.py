@@ -29,7 +29,7 @@ class Status(Enum):
 _arrivals = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: two beams or samples with equal fields are still two sequences
 class Sequence:
     """One stream of tokens: its prompt, what it has generated, and its place in the paged cache."""
 
