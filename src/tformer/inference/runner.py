@@ -64,7 +64,8 @@ class CompiledDecode:
         except torch._dynamo.exc.BackendCompilerFailed as err:
             raise RuntimeError(
                 f"compiling the decode step failed ({type(err.inner_exception).__name__}: {err.inner_exception}); "
-                "torch.compile on the CPU needs a working C++ compiler. Run without compile (the flag --compile)"
+                "torch.compile on the CPU needs a working C++ compiler; install one, or run without --compile "
+                "(EngineConfig(compile=False))"
             ) from None
 
 
