@@ -287,6 +287,9 @@ ERROR_CASES = [
     (CMPL, {"prompt": "hi", "seed": 2**70}, 400, "seed"),
     (CMPL, {"prompt": "hi", "stop": ""}, 400, None),
     (CMPL, {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    (CMPL, {"prompt": "hi", "beam_width": 0}, 400, "beam_width"),
+    (CMPL, {"prompt": "hi", "beam_width": 3, "n": 2}, 400, None),  # beam search returns one hypothesis
+    (CMPL, {"prompt": "hi", "beam_width": 3, "stop": "."}, 400, None),
     (CHAT, {"max_tokens": 2}, 400, "messages"),
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
@@ -337,6 +340,19 @@ def test_n_samples_equal_the_offline_engine_whole_and_streamed(tiny, offline) ->
             reasons[choice.index] = choice.finish_reason or reasons[choice.index]
     expected = offline.engine.generate([offline.tokenizer.apply_chat_template(USER)], SamplingParams(n=2, **params))
     assert texts == [c.text for c in expected] and reasons == [c.finish_reason for c in expected]
+    assert metric(tiny.url, "tformer_kv_blocks_in_use") == 0
+
+
+def test_beam_search_extension_equals_the_offline_engine_whole_and_streamed(tiny, offline) -> None:
+    params = {"max_tokens": 10, "beam_width": 3, "length_penalty": 0.6}
+    expected = offline.engine.generate(["the moon"], SamplingParams(**params))[0]
+    body = {"model": NAME, "prompt": "the moon", **params}
+    whole = httpx.post(f"{tiny.url}{CMPL}", json=body).json()
+    assert (whole["choices"][0]["text"], whole["choices"][0]["finish_reason"]) == (expected.text,
+                                                                                expected.finish_reason)
+    streamed = client(tiny).completions.create(model=NAME, prompt="the moon", stream=True,
+                                               extra_body=params, max_tokens=10)
+    assert "".join(c.choices[0].text for c in streamed) == expected.text
     assert metric(tiny.url, "tformer_kv_blocks_in_use") == 0
 
 

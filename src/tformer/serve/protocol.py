@@ -50,6 +50,8 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_SAMPLES)  # samples of one prompt: they share its KV blocks (copy-on-write)
+    beam_width: int = Field(1, ge=1, le=MAX_SAMPLES)  # an extension: beam search, the best hypothesis returned
+    length_penalty: Finite = 0.6  # an extension: beam search's GNMT alpha
     presence_penalty: Finite = 0.0
     frequency_penalty: Finite = 0.0
     logit_bias: dict[str, Finite] | None = None
@@ -67,7 +69,8 @@ class _GenerationRequest(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
-            seed=self.seed, stop=stop, ignore_eos=self.ignore_eos, n=self.n,
+            seed=self.seed, stop=stop, ignore_eos=self.ignore_eos, n=self.n, beam_width=self.beam_width,
+            length_penalty=self.length_penalty,
         )
 
     @property
