@@ -119,10 +119,11 @@ def test_compiled_decode_steps_give_the_uncached_tokens(preset: str) -> None:
     from torch._dynamo.utils import counters
 
     engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=32, compile=True))
-    frames_before = counters["frames"]["ok"]
+    frames_before, breaks_before = counters["frames"]["ok"], sum(counters["graph_break"].values())
     alone = engine.generate([prompts[0]], params)[0].token_ids  # batch size 1
     together = [r.token_ids for r in engine.generate(prompts, params)]
     assert counters["frames"]["ok"] > frames_before  # dynamo did compile frames of the decoder
+    assert sum(counters["graph_break"].values()) == breaks_before  # one whole graph: no value read back
     if preset == "tiny-llama":
         expected = [reference_greedy(model, p, 8) for p in prompts]
     else:

@@ -236,6 +236,11 @@ class PagedLayerKV:
         self.k, self.v = k, v
         self.write_slots, self.keep, self.read_slots = write_slots, keep, read_slots
 
+    @property
+    def key_count(self) -> int:
+        """Key positions every row reads this step (the batch's largest position plus one)."""
+        return self.read_slots.shape[1]
+
     def update(
         self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,16 @@ def default_positions(n_keys: int, attention_mask: torch.Tensor | None, device: 
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def _key_count(cache: list[LayerCache], positions: torch.Tensor) -> int:
+    """How many key positions a cached step attends over: the largest position plus one.
+
+    A cache that already knows it (the engine's paged view, `key_count`) says so, which spares reading a
+    tensor value back, a graph break under torch.compile.
+    """
+    known = getattr(cache[0].self_attn, "key_count", None)
+    return known if known is not None else int(positions.max()) + 1
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype attention will run in: the autocast dtype when autocast is on, else x's own."""
     if torch.is_autocast_enabled(x.device.type):
@@ -92,7 +102,7 @@ class TransformerStack(nn.Module):
         if cache is not None and positions is not None:
             if attention_mask is not None:
                 raise ValueError("pass either positions or attention_mask with a cache, not both")
-            query_slots, n_keys = positions.clamp(min=0), int(positions.max()) + 1
+            query_slots, n_keys = positions.clamp(min=0), _key_count(cache, positions)
             cache_positions, positions = positions, query_slots
             key_positions = torch.arange(n_keys, device=tokens.device)[None]
         else:
