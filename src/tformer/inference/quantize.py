@@ -84,6 +84,11 @@ class Int4Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+def _check_mode(mode: str) -> None:
+    if mode not in QUANT_MODES:
+        raise ConfigError(f"unknown quantization mode {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
+
+
 def quantize(model: nn.Module, mode: str = "int8", group_size: int = 32) -> nn.Module:
     """Replaces every nn.Linear of `model` in place (the output head too); returns the model.
 
@@ -92,8 +97,7 @@ def quantize(model: nn.Module, mode: str = "int8", group_size: int = 32) -> nn.M
     8 bits or more. SmolLM2-135M's John 1 perplexity (12.54 in fp32; these with bf16 activations): 12.50 as
     done here, 13.28 with an INT4 head, 16.62 with groups of 64 (the GGUF's Q4_1 blocks hold 32 weights).
     """
-    if mode not in QUANT_MODES:
-        raise ConfigError(f"unknown quantization mode {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
+    _check_mode(mode)
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is not nn.Linear:
@@ -112,8 +116,8 @@ def check_precision(dtype: str = "auto", quantize_mode: str | None = None) -> No
     """Raises ConfigError for a dtype or quantization `set_precision` cannot apply (call it before a slow load)."""
     if dtype != "auto" and dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(WEIGHT_DTYPES)}")
-    if quantize_mode is not None and quantize_mode not in QUANT_MODES:
-        raise ConfigError(f"unknown quantization mode {quantize_mode!r}; choose one of: {', '.join(QUANT_MODES)}")
+    if quantize_mode is not None:
+        _check_mode(quantize_mode)
 
 
 def resolve_dtype(dtype: str, quantize_mode: str | None) -> str:
