@@ -62,3 +62,10 @@ def test_generate_streams_what_the_engine_generates(tmp_path, capsys):
     assert "temperature must be >= 0" in capsys.readouterr().err
     assert main(["generate", "x", "--model", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # speculative decoding with an INT8 copy of the model as its draft gives the model's own greedy text
+    spec = ["generate", "the cat", "--model", str(tmp_path), "--max-tokens", "6", "--no-chat", "--dtype", "float32",
+            "--draft-model", str(tmp_path), "--draft-quantize", "int8", "--speculative-tokens", "3"]
+    assert main(spec) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    assert main(["generate", "x", "--model", str(tmp_path), "--draft-quantize", "int8"]) == 2
+    assert "needs a draft model" in capsys.readouterr().err

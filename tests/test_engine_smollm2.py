@@ -71,6 +71,15 @@ def test_speculative_decoding_with_an_int8_draft(smollm2) -> None:
     assert stats.target_calls < N_TOKENS and stats.acceptance_rate > 0.5
 
 
+def test_engine_speculates_with_an_int8_draft(smollm2) -> None:
+    model, tokenizer, prompts = smollm2
+    draft = quantize(copy.deepcopy(model), "int8")
+    engine = Engine(model, tokenizer, EngineConfig(block_size=16, num_speculative_tokens=3), draft=draft)
+    results = engine.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == [reference(model, p) for p in prompts]
+    assert engine.speculative.acceptance_rate > 0.5 and engine.speculative.target_calls < N_TOKENS - 1
+
+
 def greedy_within_rounding(model: torch.nn.Module, prompt: list[int], tokens: list[int], margin: float) -> bool:
     """Whether each of `tokens` scores within `margin` of the best logit of the uncached forward on the prefix
     before it: greedy decoding up to near-ties that bf16 rounding can flip either way."""

@@ -58,9 +58,9 @@ class LiveServer:
     """uvicorn serving `create_app(...)` in a background thread of this process, on a free loopback port."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, config: EngineConfig | None = None,
-                 name: str = NAME) -> None:
+                 name: str = NAME, draft: torch.nn.Module | None = None) -> None:
         self.tokenizer = tokenizer
-        self.engine = AsyncEngine(Engine(model, tokenizer, config))
+        self.engine = AsyncEngine(Engine(model, tokenizer, config, draft=draft))
         self.app = create_app(self.engine, tokenizer, name)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -166,6 +166,21 @@ def test_models_health_and_metrics(tiny) -> None:
                  "tformer_prompt_tokens_total", "tformer_generation_tokens_total"):
         assert re.search(rf"^# TYPE {name} (gauge|counter)$", text, re.MULTILINE), name
     assert re.search(r'^tformer_requests_total\{endpoint="/v1/models",status="200"\} [1-9]', text, re.MULTILINE)
+
+
+def test_a_server_with_a_draft_streams_the_models_own_greedy_text(tiny_dir, offline, one_thread) -> None:
+    model, tokenizer = load_pretrained(tiny_dir)
+    draft = set_precision(load_pretrained(tiny_dir)[0], "float32", "int8")  # as `--draft-quantize int8`
+    server = LiveServer(model, tokenizer, EngineConfig(num_speculative_tokens=3), draft=draft)
+    try:
+        expected = offline.complete("the cat", max_tokens=12, temperature=0.0, ignore_eos=True)
+        stream = client(server).completions.create(model=NAME, prompt="the cat", max_tokens=12, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected.text
+        drafted = metric(server.url, "tformer_spec_decode_draft_tokens_total")
+        assert 0 < metric(server.url, "tformer_spec_decode_accepted_tokens_total") <= drafted
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("prompt", ["the cat", [5, 17, 42, 9]], ids=["text", "token-ids"])

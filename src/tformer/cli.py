@@ -128,6 +128,9 @@ def generate(
     quantize: str | None = None,
     dtype: str = "auto",
     compile: bool = False,
+    draft_model: str | None = None,
+    draft_quantize: str | None = None,
+    speculative_tokens: int = 4,
 ) -> None:
     """Generate text from prompts given as arguments, or one per line from stdin, streaming as it goes.
 
@@ -138,17 +141,18 @@ def generate(
     quantize: int8 or int4 weight-only quantization of the linear layers (default: none)
     dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
     compile: run decode steps through torch.compile (the first step compiles for up to a minute)
+    draft_model: a small model on the same tokenizer for speculative decoding (or the model itself, quantized)
+    draft_quantize: int8 or int4 quantization of the draft model (default: none)
+    speculative_tokens: draft tokens per decode step, with a draft model
     """
-    from tformer.inference import Engine, EngineConfig, SamplingParams
-    from tformer.inference.quantize import check_precision, set_precision
-    from tformer.interop.loading import load_pretrained
+    from tformer.inference import EngineConfig, SamplingParams
+    from tformer.serve.server import load_engine
 
-    check_precision(dtype, quantize)  # before the (slow) load
-    net, tokenizer = load_pretrained(model)
+    config = EngineConfig(compile=compile, num_speculative_tokens=speculative_tokens)
+    engine = load_engine(model, config, quantize, dtype, draft_model, draft_quantize)
+    tokenizer = engine.tokenizer
     if tokenizer is None:
         raise CheckpointError(f"{model} has no tokenizer.json; `tformer generate` needs one to read text prompts")
-    set_precision(net, dtype, quantize)
-    engine = Engine(net, tokenizer, EngineConfig(compile=compile))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     for prompt in prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]:
         if chat and tokenizer.chat_template:
@@ -161,7 +165,8 @@ def generate(
 def serve(
     *, model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, model_name: str | None = None,
     quantize: str | None = None, dtype: str = "auto", max_model_len: int = 0, max_seqs: int = 64,
-    max_batched_tokens: int = 512, kv_cache_mb: int = 1024, compile: bool = False,
+    max_batched_tokens: int = 512, kv_cache_mb: int = 1024, compile: bool = False, draft_model: str | None = None,
+    draft_quantize: str | None = None, speculative_tokens: int = 4,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics).
 
@@ -177,14 +182,17 @@ def serve(
     max_batched_tokens: tokens per engine step; longer prompts are prefilled in chunks of this size
     kv_cache_mb: memory for the paged KV cache, in MiB
     compile: run decode steps through torch.compile (the first request's decoding compiles for up to a minute)
+    draft_model: a small model on the same tokenizer for speculative decoding (or the model itself, quantized)
+    draft_quantize: int8 or int4 quantization of the draft model (default: none)
+    speculative_tokens: draft tokens per decode step, with a draft model
     """
     from tformer.inference import EngineConfig
     from tformer.serve import run_server
 
     config = EngineConfig(max_model_len=max_model_len, max_seqs=max_seqs, max_batched_tokens=max_batched_tokens,
-                          kv_cache_bytes=kv_cache_mb << 20, compile=compile)
+                          kv_cache_bytes=kv_cache_mb << 20, compile=compile, num_speculative_tokens=speculative_tokens)
     run_server(model, host=host, port=port, api_key=api_key, model_name=model_name, engine_config=config,
-               quantize=quantize, dtype=dtype)
+               quantize=quantize, dtype=dtype, draft_model=draft_model, draft_quantize=draft_quantize)
 
 
 def convert(source: str, *, out: str, to: str = "tformer") -> None:

@@ -5,6 +5,11 @@ token for each sequence whose pending tokens are all in the cache, and reports w
 Requests join between steps as soon as blocks are free and leave the moment they stop. The engine serves
 decoder-only models (the prompt starts the sequence) and encoder-decoder models (the prompt is the source;
 the decoder starts from <s>) alike.
+
+With a draft model (`Engine(model, draft=small_model)`, decoder-only), every decode step is speculative: the
+draft proposes up to `num_speculative_tokens` tokens per sequence, the target scores them all in one forward,
+and the rejection scheme of speculative.py keeps a prefix of them plus one token of the target's, so greedy
+output is the target's own and sampled output follows the target's distribution.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ from tformer.config import ConfigError
 from tformer.inference.beams import BeamGroup
 from tformer.inference.paged import BlockAllocator, PagedKVCache
 from tformer.inference.runner import StepBatch, make_runner
-from tformer.inference.sampling import RequestError, SamplingParams, make_generator, sample_token
+from tformer.inference.sampling import RequestError, SamplingParams, make_generator, sample_token, sampling_probs
 from tformer.inference.scheduler import Scheduler, Sequence, Status
+from tformer.inference.speculative import Drafter, SpeculativeStats, accept_draft
 from tformer.inference.text import TextTracker, Tokenizer
-from tformer.models import EncoderDecoder, TransformerModel
+from tformer.models import DecoderLM, EncoderDecoder, TransformerModel
 
 
 @dataclass
@@ -41,10 +47,11 @@ class EngineConfig:
     max_model_len: int = 0  # 0: the model's max_seq_len
     prefix_caching: bool = True
     compile: bool = False  # decode steps through torch.compile (see runner.py)
+    num_speculative_tokens: int = 4  # draft tokens per decode step, when the engine has a draft model
 
     def __post_init__(self) -> None:
         for name, least in (("block_size", 1), ("num_blocks", 0), ("kv_cache_bytes", 1), ("max_batched_tokens", 1),
-                            ("max_seqs", 1), ("max_model_len", 0)):
+                            ("max_seqs", 1), ("max_model_len", 0), ("num_speculative_tokens", 1)):
             if getattr(self, name) < least:
                 raise ConfigError(f"EngineConfig.{name} must be at least {least}, got {getattr(self, name)}")
 
@@ -77,24 +84,30 @@ class Engine:
     """Generates for many requests at once: `generate(prompts, params)`, `stream(prompt, params)`, `step()`."""
 
     def __init__(
-        self, model: TransformerModel, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None
+        self,
+        model: TransformerModel,
+        tokenizer: Tokenizer | None = None,
+        config: EngineConfig | None = None,
+        draft: DecoderLM | None = None,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.runner = make_runner(model, self.config.compile)
-        mc = model.config
-        self.max_model_len = self.config.max_model_len or mc.max_seq_len
-        weight = model.decoder.tokens.weight  # the embedding stays in floating point, even when quantized
-        n_layers = mc.n_decoder_layers
-        self.kv = PagedKVCache(
-            n_layers, self._num_blocks(mc.n_kv_heads * mc.head_dim * 2 * n_layers * weight.element_size()),
-            self.config.block_size, mc.n_kv_heads, mc.head_dim, weight.dtype, weight.device,
-        )
-        self.allocator = BlockAllocator(self.kv.k[0].shape[0] // self.config.block_size, self.config.block_size)
+        self.max_model_len = self.config.max_model_len or model.config.max_seq_len
+        if draft is not None:
+            _check_draft(model, draft.eval(), self.max_model_len)
+        models = [model] if draft is None else [model, draft]
+        num_blocks = self._num_blocks(sum(_kv_bytes_per_token(m) for m in models))
+        self.kv, *draft_kv = [_paged_cache(m, num_blocks, self.config.block_size) for m in models]
+        self.allocator = BlockAllocator(num_blocks, self.config.block_size)
+        self.drafter = Drafter(draft, draft_kv[0], self.config.compile) if draft is not None else None
+        self.speculative = SpeculativeStats()
         prefix_caching = self.config.prefix_caching and not isinstance(model, EncoderDecoder)
+        lookahead = self.config.num_speculative_tokens if draft is not None else 0
         self.scheduler = Scheduler(
-            self.allocator, self.config.max_batched_tokens, self.config.max_seqs, prefix_caching=prefix_caching
+            self.allocator, self.config.max_batched_tokens, self.config.max_seqs, prefix_caching=prefix_caching,
+            lookahead=lookahead, max_model_len=self.max_model_len,
         )
         self.sequences: dict[str, Sequence] = {}
         self._beam_groups: dict[str, BeamGroup] = {}
@@ -211,9 +224,14 @@ class Engine:
         self.num_preemptions += len(plan.preempted)
         self.num_block_copies += len(plan.copies)
         self.kv.copy_blocks(plan.copies)
+        if self.drafter is not None:
+            self.drafter.kv.copy_blocks(plan.copies)
+        drafting = [seq for seq, _ in plan.scheduled if self.scheduler.draft_length(seq)]
         outputs = []
-        for group in _by_width(plan.scheduled):
+        for group in _by_width([item for item in plan.scheduled if item[0] not in drafting]):
             outputs += self._run(group)
+        if drafting:
+            outputs += self._speculate(drafting)
         return outputs
 
     def _run(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
@@ -225,6 +243,8 @@ class Engine:
         batch = StepBatch.build(chunks, [seq.n_computed for seq in seqs], self.kv.k[0].device)
         views = self.kv.step_views([seq.table for seq in seqs], batch.positions)
         logits = self.runner.logits(seqs, batch, views)  # (B, V)
+        if self.drafter is not None:
+            self.drafter.follow(seqs, batch)
         outputs = []
         for row, (seq, n) in enumerate(scheduled):
             seq.n_computed += n
@@ -238,6 +258,32 @@ class Engine:
                     outputs.append(self._emit(member))
         return outputs
 
+    def _speculate(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """One speculative decode step: draft tokens per sequence, one target forward over each sequence's
+        pending token and its drafts, then the rejection scheme decides which tokens each sequence keeps."""
+        assert self.drafter is not None
+        proposals, draft_probs = self.drafter.propose(seqs, [self.scheduler.draft_length(seq) for seq in seqs])
+        chunks = [[seq.tokens[seq.n_computed], *drafted] for seq, drafted in zip(seqs, proposals, strict=True)]
+        batch = StepBatch.build(chunks, [seq.n_computed for seq in seqs], self.kv.k[0].device)
+        views = self.kv.step_views([seq.table for seq in seqs], batch.positions)
+        logits = self.runner.logits(seqs, batch, views, every_position=True)  # (B, 1 + drafts, V)
+        self.speculative.target_calls += 1
+        outputs = []
+        for row, (seq, drafted, q) in enumerate(zip(seqs, proposals, draft_probs, strict=True)):
+            p = torch.stack([sampling_probs(logits[row, i], seq.params) for i in range(len(drafted) + 1)])
+            kept = accept_draft(drafted, q, p, seq.generator)
+            self.speculative.proposed += len(drafted)
+            self.speculative.accepted += len(kept) - 1
+            seq.n_computed += len(kept)  # the pending token and the accepted drafts; the last kept one is pending
+            seq.draft_computed = min(seq.draft_computed, seq.n_computed)
+            self.scheduler.computed(seq)
+            for token in kept:
+                seq.output.append(token)
+                outputs.append(self._emit(seq))
+                if outputs[-1].finished:
+                    break
+        return outputs
+
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """Samples 1..n-1 of a request whose prompt is now cached: each shares every block of the prompt."""
         children = []
@@ -245,7 +291,8 @@ class Engine:
             seed = None if seq.params.seed is None else seq.params.seed + i
             child = Sequence(
                 seq.request_id, seq.prompt, seq.params, None if seq.params.greedy else make_generator(seed),
-                table=self.allocator.fork(seq.table), n_computed=seq.n_computed, status=Status.RUNNING,
+                table=self.allocator.fork(seq.table), n_computed=seq.n_computed,
+                draft_computed=seq.draft_computed, status=Status.RUNNING,
                 source=seq.source, encoder_state=seq.encoder_state, index=i,
             )
             self.sequences[_key(seq.request_id, i)] = child
@@ -334,6 +381,38 @@ class Engine:
                         yield out
         finally:
             self.abort(rid)
+
+
+def _check_draft(model: TransformerModel, draft: DecoderLM, max_model_len: int) -> None:
+    """A draft must be a decoder-only model on the target's vocabulary that reads the whole context."""
+    if not isinstance(model, DecoderLM) or not isinstance(draft, DecoderLM):
+        raise ConfigError(
+            "speculative decoding in the engine needs a decoder-only target and draft, got "
+            f"{type(model).__name__} and {type(draft).__name__}; serve encoder-decoder models without a draft"
+        )
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ConfigError(
+            f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's ({model.config.vocab_size}); "
+            "pick a draft trained with the same tokenizer"
+        )
+    if draft.config.max_seq_len < max_model_len:
+        raise ConfigError(
+            f"the draft reads at most {draft.config.max_seq_len} tokens but the engine serves contexts of "
+            f"{max_model_len}; set EngineConfig.max_model_len (--max-model-len) to at most {draft.config.max_seq_len}"
+        )
+
+
+def _kv_bytes_per_token(model: TransformerModel) -> int:
+    mc = model.config
+    element = model.decoder.tokens.weight.element_size()  # the embedding stays in floating point when quantized
+    return mc.n_kv_heads * mc.head_dim * 2 * mc.n_decoder_layers * element
+
+
+def _paged_cache(model: TransformerModel, num_blocks: int, block_size: int) -> PagedKVCache:
+    mc, weight = model.config, model.decoder.tokens.weight
+    return PagedKVCache(
+        mc.n_decoder_layers, num_blocks, block_size, mc.n_kv_heads, mc.head_dim, weight.dtype, weight.device
+    )
 
 
 def _by_width(scheduled: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:

@@ -79,9 +79,14 @@ class DecoderRunner:
     def start(self, seq: Sequence) -> None:
         """Nothing to prepare: a decoder has no per-request state besides its KV blocks."""
 
-    def logits(self, seqs: list[Sequence], batch: StepBatch, views: list[PagedLayerKV]) -> torch.Tensor:
+    def logits(
+        self, seqs: list[Sequence], batch: StepBatch, views: list[PagedLayerKV], every_position: bool = False
+    ) -> torch.Tensor:
+        """Each row's next-token logits (B, V); with `every_position`, those after every token (B, T, V)."""
         caches = [LayerCache(view) for view in views]
         hidden = self.decoder(batch.tokens, positions=batch.positions, cache=caches)
+        if every_position:
+            return self.model.lm_head(hidden).float()
         return self.model.lm_head(_last_hidden(hidden, batch.last_index)).float()  # (B, V)
 
 

@@ -5,6 +5,9 @@ step is one token; an unfinished prompt continues in chunks), then waiting ones 
 the sequence limit and the free KV blocks allow. A waiting prompt first takes whatever prefix the cache
 already holds. When blocks run out, the most recently arrived running sequence is preempted: its blocks go
 back to the pool and it waits to be recomputed from scratch, keeping the tokens it has generated so far.
+
+With speculative decoding (`lookahead` > 0), a decode step verifies up to `lookahead` draft tokens after the
+pending one, so the scheduler reserves (and charges the token budget for) that many more positions.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     table: list[int] = field(default_factory=list)
     n_computed: int = 0  # tokens whose keys and values are in the cache
+    draft_computed: int = 0  # speculative decoding: tokens whose keys and values are in the draft model's cache
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrivals))
@@ -69,12 +73,20 @@ class Scheduler:
     """Chooses each step's batch under a token budget, a sequence limit and the KV block pool."""
 
     def __init__(
-        self, allocator: BlockAllocator, max_batched_tokens: int = 512, max_seqs: int = 64, prefix_caching: bool = True
+        self,
+        allocator: BlockAllocator,
+        max_batched_tokens: int = 512,
+        max_seqs: int = 64,
+        prefix_caching: bool = True,
+        lookahead: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.allocator = allocator
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
         self.prefix_caching = prefix_caching
+        self.lookahead = lookahead  # speculative decoding: draft tokens a decode step may verify
+        self.max_model_len = max_model_len
         self.prefix_hit_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -92,10 +104,24 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
+    def draft_length(self, seq: Sequence) -> int:
+        """Draft tokens the next step of `seq` may verify: none for a prompt, a beam or without a draft, and
+        never more than its max_tokens or the context leave room for."""
+        if not self.lookahead or seq.n_pending != 1 or not seq.output or seq.params.beam_width > 1:
+            return 0
+        room = seq.params.max_tokens - len(seq.output) - 1
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - len(seq.tokens))
+        return max(0, min(self.lookahead, room))
+
     def computed(self, seq: Sequence) -> None:
-        """After a step: the sequence's newly full blocks become prefix-cache entries."""
+        """After a step: the sequence's newly full blocks become prefix-cache entries.
+
+        With a draft model, a block is published only once the draft's keys and values in it are complete too.
+        """
         if self.prefix_caching:
-            self.allocator.register_prefix(seq.table, seq.tokens, seq.n_computed)
+            n = min(seq.n_computed, seq.draft_computed) if self.lookahead else seq.n_computed
+            self.allocator.register_prefix(seq.table, seq.tokens, n)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Ends a sequence (stopped, cancelled or rejected) and returns its blocks to the pool."""
@@ -114,14 +140,15 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.n_pending, budget)
-            while not self.allocator.can_write(seq.table, seq.n_computed, seq.n_computed + n):
+            extra = self.draft_length(seq)
+            while not self.allocator.can_write(seq.table, seq.n_computed, seq.n_computed + n + extra):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     return budget
-            self._reserve(seq, n, out)
-            budget -= n
+            self._reserve(seq, n, out, extra)
+            budget -= n + extra
             i += 1
         return budget
 
@@ -132,25 +159,28 @@ class Scheduler:
                 # keep at least one token to compute: its logits give the next token
                 max_hits = (len(seq.tokens) - 1) // self.allocator.block_size
                 seq.table = self.allocator.match_prefix(seq.tokens, max_hits)
-                seq.n_computed = len(seq.table) * self.allocator.block_size
+                seq.n_computed = seq.draft_computed = len(seq.table) * self.allocator.block_size
                 self.prefix_hit_tokens += seq.n_computed
             n = min(seq.n_pending, budget)
-            if not self.allocator.can_write(seq.table, seq.n_computed, seq.n_computed + n):
+            extra = self.draft_length(seq)  # a recomputed sequence whose prefix was all cached is a decode step
+            if not self.allocator.can_write(seq.table, seq.n_computed, seq.n_computed + n + extra):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self._reserve(seq, n, out)
-            budget -= n
+            self._reserve(seq, n, out, extra)
+            budget -= n + extra
 
-    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
-        self.allocator.grow(seq.table, seq.n_computed + n)
-        out.copies += self.allocator.copy_on_write(seq.table, seq.n_computed, seq.n_computed + n)
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput, extra: int = 0) -> None:
+        """Blocks for `n` new tokens plus `extra` draft positions; the plan records the `n`."""
+        end = seq.n_computed + n + extra
+        self.allocator.grow(seq.table, end)
+        out.copies += self.allocator.copy_on_write(seq.table, seq.n_computed, end)
         out.scheduled.append((seq, n))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.allocator.free(seq.table)
-        seq.n_computed = 0
+        seq.n_computed = seq.draft_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

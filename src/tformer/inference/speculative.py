@@ -7,6 +7,11 @@ rejected one is replaced by a sample from norm(max(0, p - q)); if all k survive,
 the target's last distribution. The output follows the target's distribution exactly, and with greedy
 parameters (one-hot p and q) it is the target's own greedy output. Rows advance by different amounts, so
 each row's new tokens are placed at its own positions in contiguous KV caches.
+
+In the engine (`Engine(model, draft=...)`), a `Drafter` keeps the draft's keys and values in a paged cache of
+its own that the target's block tables address: the two caches hold the same positions of the same sequences,
+so blocks, copy-on-write, prefix hits and preemption serve both. The draft runs over every prompt chunk the
+target runs over, then proposes tokens for the decode rows of a step.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tformer.inference.runner import StepBatch
+from tformer.inference.paged import PagedKVCache
+from tformer.inference.runner import DecoderRunner, StepBatch
 from tformer.inference.sampling import RequestError, SamplingParams, make_generator, sampling_probs
+from tformer.inference.scheduler import Sequence
 from tformer.models import DecoderLM
 
 
@@ -140,3 +147,48 @@ def _propose(
             rows.draft_cached[b] = starts[b] + len(fed[b])
         dists.append(probs)
     return proposals, torch.stack(dists, 1)
+
+
+class Drafter:
+    """The draft model of the engine's speculative decoding, with its paged KV cache (see the module docstring)."""
+
+    def __init__(self, draft: DecoderLM, kv: PagedKVCache, compile: bool = False) -> None:
+        self.runner = DecoderRunner(draft, compile)
+        self.kv = kv
+
+    def follow(self, seqs: list[Sequence], batch: StepBatch) -> None:
+        """Runs the draft over the tokens the target has just run (prompt chunks): its cache keeps pace.
+
+        A sequence whose draft cache lagged behind (a beam, say) is left behind; it is never drafted for.
+        """
+        views = self.kv.step_views([seq.table for seq in seqs], batch.positions)
+        self.runner.logits(seqs, batch, views)
+        starts = batch.positions[:, 0].tolist()
+        for seq, start, width in zip(seqs, starts, (batch.last_index + 1).tolist(), strict=True):
+            if seq.draft_computed == start:
+                seq.draft_computed = start + width
+
+    def propose(self, seqs: list[Sequence], lengths: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """lengths[i] draft tokens for each sequence (one forward per token, over the rows still drafting) and
+        the distributions they were drawn from, (lengths[i], V), by each sequence's own sampling parameters.
+
+        Each sequence's pending token (and any token the draft has not seen yet) is fed first.
+        """
+        proposals: list[list[int]] = [[] for _ in seqs]
+        dists: list[list[torch.Tensor]] = [[] for _ in seqs]
+        device = self.kv.k[0].device
+        for i in range(max(lengths, default=0)):
+            rows = [b for b, n in enumerate(lengths) if i < n]
+            starts = [seqs[b].draft_computed for b in rows]
+            chunks = [(seqs[b].tokens + proposals[b])[start:] for b, start in zip(rows, starts, strict=True)]
+            batch = StepBatch.build(chunks, starts, device)
+            views = self.kv.step_views([seqs[b].table for b in rows], batch.positions)
+            logits = self.runner.logits([seqs[b] for b in rows], batch, views)  # (R, V)
+            for j, b in enumerate(rows):
+                seq = seqs[b]
+                q = sampling_probs(logits[j], seq.params)
+                token = int(q.argmax()) if seq.params.greedy else int(torch.multinomial(q, 1, generator=seq.generator))
+                proposals[b].append(token)
+                dists[b].append(q)
+                seq.draft_computed = starts[j] + len(chunks[j])
+        return proposals, [torch.stack(d) if d else torch.empty(0) for d in dists]

@@ -35,6 +35,8 @@ class EngineStats:
     blocks_in_use: int = 0
     blocks_total: int = 0
     preemptions: int = 0
+    draft_tokens: int = 0  # speculative decoding: draft tokens proposed, and how many the target accepted
+    accepted_draft_tokens: int = 0
 
 
 class _Sink:
@@ -262,4 +264,6 @@ class AsyncEngine:
             blocks_in_use=engine.num_blocks_in_use,
             blocks_total=engine.allocator.pool.num_blocks,
             preemptions=engine.num_preemptions,
+            draft_tokens=engine.speculative.proposed,
+            accepted_draft_tokens=engine.speculative.accepted,
         )

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import uvicorn
 
+from tformer.config import ConfigError
 from tformer.inference import Engine, EngineConfig
 from tformer.inference.quantize import check_precision, set_precision
 from tformer.interop.loading import load_pretrained
@@ -30,6 +31,31 @@ def default_model_name(path: str | os.PathLike[str]) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def load_engine(
+    model: str | os.PathLike[str],
+    engine_config: EngineConfig | None = None,
+    quantize: str | None = None,
+    dtype: str = "auto",
+    draft_model: str | os.PathLike[str] | None = None,
+    draft_quantize: str | None = None,
+) -> Engine:
+    """An engine for `model` (a .gguf file, a tformer checkpoint or a Hugging Face directory) in `dtype`,
+    optionally with its linear layers quantized ('int8' or 'int4'; see `set_precision`), and with a draft
+    model for speculative decoding when `draft_model` names one (it may be the same file, quantized)."""
+    check_precision(dtype, quantize)  # before the (slow) loads
+    check_precision(dtype, draft_quantize)
+    if draft_quantize is not None and draft_model is None:
+        raise ConfigError("a draft quantization needs a draft model (--draft-model); name the served model itself "
+                          "to draft with a quantized copy of it")
+    net, tokenizer = load_pretrained(model)
+    set_precision(net, dtype, quantize)
+    draft = None
+    if draft_model is not None:
+        draft, _ = load_pretrained(draft_model)
+        set_precision(draft, dtype, draft_quantize)
+    return Engine(net, tokenizer, engine_config, draft=draft)
+
+
 def run_server(
     model: str | os.PathLike[str],
     host: str = "127.0.0.1",
@@ -40,14 +66,14 @@ def run_server(
     shutdown_timeout: float = 10.0,
     quantize: str | None = None,
     dtype: str = "auto",
+    draft_model: str | os.PathLike[str] | None = None,
+    draft_quantize: str | None = None,
 ) -> None:
-    """Serves `model` (a .gguf file, a tformer checkpoint or a Hugging Face directory) until interrupted, in
-    `dtype`, optionally with its linear layers quantized ('int8' or 'int4'); see `set_precision`."""
+    """Serves `model` until interrupted; see `load_engine` for the other arguments."""
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
-    check_precision(dtype, quantize)  # before the (slow) load
-    net, tokenizer = load_pretrained(model)
-    set_precision(net, dtype, quantize)
-    engine = AsyncEngine(Engine(net, tokenizer, engine_config))
+    inner = load_engine(model, engine_config, quantize, dtype, draft_model, draft_quantize)
+    tokenizer = inner.tokenizer
+    engine = AsyncEngine(inner)
     app = create_app(engine, tokenizer, model_name or default_model_name(model), api_key)
     if host not in LOOPBACK and not api_key:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", host)
