@@ -18,10 +18,12 @@ With `--dtype bfloat16` both sides run the same weights cast to bf16; bf16 round
 implementations, so there the greedy check reports how many leading tokens agree instead of requiring all of
 them. `--serve-with int4` (or int8) runs part 2 on tformer's quantized model instead of the float one, and
 `--compile` runs tformer's decode steps through torch.compile (`EngineConfig(compile=True)`; the warm-up
-round and the greedy check pay the compilation).
+round and the greedy check pay the compilation). `--draft int4` (or int8) adds a batch-1 row for speculative
+decoding: tformer's `--dtype` model as the target and its quantized copy as the draft
+(`Engine(model, draft=...)`, `--speculative-tokens` per step), whose greedy tokens must be the target's own.
 
     .venv/bin/python benchmarks/engine_vs_hf.py [--rounds 3] [--new-tokens 64] [--requests 32] [--dtype bfloat16]
-                                                [--serve-with float|int8|int4] [--compile]
+                                                [--serve-with float|int8|int4] [--compile] [--draft int4]
 """
 
 from __future__ import annotations
@@ -153,6 +155,9 @@ def main() -> None:
     parser.add_argument("--serve-with", choices=["float", "int8", "int4"], default="float",
                         help="tformer's weights in part 2 (default: the same float weights as HF)")
     parser.add_argument("--compile", action="store_true", help="tformer's decode steps through torch.compile")
+    parser.add_argument("--draft", choices=["int8", "int4"], default=None,
+                        help="add a batch-1 row: speculative decoding with this quantized copy as the draft")
+    parser.add_argument("--speculative-tokens", type=int, default=4, help="draft tokens per step (with --draft)")
     args = parser.parse_args()
     threads = set_threads(args.threads)
     import transformers
@@ -169,6 +174,17 @@ def main() -> None:
     first = next(iter(models))
     engines = {name: Engine(m, tokenizer, EngineConfig(compile=args.compile)) for name, m in models.items()}
     prompt = chat_ids(tokenizer, "Tell me a short story about a lighthouse keeper.")
+    if args.draft:
+        name = f"{first} + {args.draft} draft"
+        draft = models[f"tformer {args.draft}"]
+        config = EngineConfig(compile=args.compile, num_speculative_tokens=args.speculative_tokens)
+        engines[name] = Engine(models[first], tokenizer, config, draft=draft)
+        greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+        plain, speculated = (engines[n].generate(prompt, greedy)[0].token_ids for n in (first, name))
+        agree = next((i for i, (a, b) in enumerate(zip(plain, speculated)) if a != b), len(plain))
+        print(f"greedy tokens: {name} and {first} agree on the first {agree} of {len(plain)}")
+        if args.dtype == "float32":
+            assert plain == speculated, "speculative decoding changed the target's greedy tokens"
     check = engines[first].generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     with torch.inference_mode():
         hf_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
@@ -179,7 +195,14 @@ def main() -> None:
         assert ours == theirs, "tformer and HF disagree on greedy tokens"
 
     if not args.skip_batch1:
-        batch1(engines, hf, prompt, args, threads, {**models, "hf": hf})
+        weights = {**models, "hf": hf}
+        if args.draft:
+            weights = {**weights, name: (models[first], draft)}
+        batch1(engines, hf, prompt, args, threads, weights)
+        if args.draft:
+            stats = engines[name].speculative
+            print(f"{name}: {stats.acceptance_rate:.0%} of {stats.proposed} draft tokens accepted, "
+                  f"{args.speculative_tokens} a step")
     serving(models[first if args.serve_with == "float" else f"tformer {args.serve_with}"], hf, tokenizer, args)
     print(load_report("after"))
 
@@ -192,12 +215,13 @@ def batch1(engines: dict[str, Engine], hf, prompt: list[int], args, threads: int
     hf_ttft, hf_rate = bench.summary("hf")
     print(f"\n1. batch-1 greedy, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, {threads} threads, "
           f"median of {args.rounds} rounds; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print(f"{'':14s} {'TTFT ms':>9s} {'decode tok/s':>13s} {'vs HF':>7s} {'weights MB':>11s} {'BW share':>9s}")
+    print(f"{'':26s} {'TTFT ms':>9s} {'decode tok/s':>13s} {'vs HF':>7s} {'weights MB':>11s} {'BW share':>9s}")
     for name, m in models.items():
         ttft, rate = bench.summary(name)
-        weight_bytes = model_bytes(m)
-        print(f"{name:14s} {ttft * 1e3:9.0f} {rate:13.1f} {rate / hf_rate:6.2f}x {weight_bytes / 1e6:11.0f} "
-              f"{weight_bytes * rate / bandwidth:8.0%}")
+        parts = m if isinstance(m, tuple) else (m,)  # a (target, draft) pair reads each per step, not per token
+        weight_bytes = sum(model_bytes(part) for part in parts)
+        share = f"{weight_bytes * rate / bandwidth:8.0%}" if len(parts) == 1 else f"{'-':>8s}"
+        print(f"{name:26s} {ttft * 1e3:9.0f} {rate:13.1f} {rate / hf_rate:6.2f}x {weight_bytes / 1e6:11.0f} {share}")
 
 
 def serving(model, hf, tokenizer, args) -> None:
