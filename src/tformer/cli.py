@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
 import typing
 from collections.abc import Callable
@@ -283,12 +284,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("_command")
+    code = 0
     try:
         command(**args)
     except (ConfigError, CheckpointError, DataError, TrainingDiverged, RequestError, DistributedFailure) as err:
         print(f"tformer: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        code = 2
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A rank of a multi-process run leaves without the interpreter's teardown: there gloo's threads can
+        # abort the process ("terminate called without an active exception", exit -6) after a peer has died
+        # or hung, or even after a clean run, and the launcher would see a crash instead of this exit code.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
