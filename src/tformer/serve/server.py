@@ -71,10 +71,8 @@ def run_server(
 ) -> None:
     """Serves `model` until interrupted; see `load_engine` for the other arguments."""
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
-    inner = load_engine(model, engine_config, quantize, dtype, draft_model, draft_quantize)
-    tokenizer = inner.tokenizer
-    engine = AsyncEngine(inner)
-    app = create_app(engine, tokenizer, model_name or default_model_name(model), api_key)
+    engine = AsyncEngine(load_engine(model, engine_config, quantize, dtype, draft_model, draft_quantize))
+    app = create_app(engine, engine.engine.tokenizer, model_name or default_model_name(model), api_key)
     if host not in LOOPBACK and not api_key:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", host)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout, log_level="info")
