@@ -16,7 +16,7 @@ target runs over, then proposes tokens for the decode rows of a step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +61,7 @@ class SpeculativeStats:
 class _Rows:
     """Per-row state of a batch: token ids so far, how many each model has cached, and the row's goal."""
 
-    def __init__(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> None:
+    def __init__(self, prompts: Seq[Seq[int]], max_tokens: int) -> None:
         self.ids = [list(p) for p in prompts]
         self.goal = [len(p) + max_tokens for p in prompts]
         self.target_cached = [0] * len(prompts)
@@ -84,7 +84,7 @@ def _feed(model: DecoderLM, cache: list, rows: list[list[int]], starts: list[int
 def speculative_generate(
     target: DecoderLM,
     draft: DecoderLM,
-    prompts: Sequence[Sequence[int]],
+    prompts: Seq[Seq[int]],
     params: SamplingParams,
     k: int = 4,
     stats: SpeculativeStats | None = None,
