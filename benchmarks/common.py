@@ -96,6 +96,16 @@ def wait_for_idle(timeout: float, min_share: float = 0.5) -> tuple[float, str]:
     return time.perf_counter() - start, busy
 
 
+def agreeing_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy outputs share."""
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
 def machine_info() -> str:
     """CPU model, core count, torch version and thread count, for the header of a report."""
     cpu = platform.processor() or "unknown CPU"

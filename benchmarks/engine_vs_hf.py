@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from common import alternating_timing, load_report, machine_info, median, set_threads  # noqa: E402
+from common import agreeing_prefix, alternating_timing, load_report, machine_info, median, set_threads  # noqa: E402
 from conftest import smollm2_path  # noqa: E402
 
 from tformer.data.corpora import bible_text  # noqa: E402
@@ -181,16 +181,16 @@ def main() -> None:
         engines[name] = Engine(models[first], tokenizer, config, draft=draft)
         greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
         plain, speculated = (engines[n].generate(prompt, greedy)[0].token_ids for n in (first, name))
-        agree = next((i for i, (a, b) in enumerate(zip(plain, speculated)) if a != b), len(plain))
-        print(f"greedy tokens: {name} and {first} agree on the first {agree} of {len(plain)}")
+        print(f"greedy tokens: {name} and {first} agree on the first {agreeing_prefix(plain, speculated)} of "
+              f"{len(plain)}")
         if args.dtype == "float32":
             assert plain == speculated, "speculative decoding changed the target's greedy tokens"
     check = engines[first].generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     with torch.inference_mode():
         hf_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     ours, theirs = check[0].token_ids, hf_ids[0, len(prompt):].tolist()
-    agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
-    print(f"greedy tokens: {first} and HF ({args.dtype}) agree on the first {agree} of {len(ours)}")
+    print(f"greedy tokens: {first} and HF ({args.dtype}) agree on the first {agreeing_prefix(ours, theirs)} of "
+          f"{len(ours)}")
     if args.dtype == "float32":
         assert ours == theirs, "tformer and HF disagree on greedy tokens"
 

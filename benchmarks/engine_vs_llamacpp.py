@@ -49,7 +49,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from common import alternating_timing, load_report, machine_info, median, set_threads, uptime  # noqa: E402
+from common import (  # noqa: E402
+    agreeing_prefix, alternating_timing, load_report, machine_info, median, set_threads, uptime,
+)
 from conftest import smollm2_path  # noqa: E402
 from test_interop_gguf import john_1, perplexity  # noqa: E402
 from engine_vs_hf import chat_ids, copy_bandwidth  # noqa: E402
@@ -176,16 +178,6 @@ class Batch1:
         runs = self.results[name]
         rates = [(produced - 1) / (total - first) for first, total, produced in runs if produced > 1]
         return median([f for f, _, _ in runs]), median(rates) if rates else 0.0, int(median([p for *_, p in runs]))
-
-
-def agreeing_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two greedy outputs share."""
-    count = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        count += 1
-    return count
 
 
 def print_table(bench: Batch1, timings, weight_bytes: dict[str, int], resident: dict[str, int],

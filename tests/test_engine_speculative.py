@@ -10,19 +10,13 @@ import pytest
 import torch
 
 from conftest import make_model, tiny_config
-from test_engine import prompts_of_mixed_lengths, reference_greedy
+from test_engine import DECODERS, prompts_of_mixed_lengths, reference_greedy
 from test_speculative import chi_square
 from tformer.config import ConfigError
 from tformer.inference.engine import Engine, EngineConfig
 from tformer.inference.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
-DECODERS = {
-    "llama (RoPE, GQA, RMSNorm, SwiGLU)": dict(preset="tiny-llama"),
-    "gpt2 (learned positions)": dict(preset="tiny-gpt2"),
-    "alibi": dict(preset="tiny-llama", position="alibi"),
-    "sliding window": dict(preset="tiny-llama", sliding_window=5),
-}
 
 
 def noisy_copy(model: torch.nn.Module, scale: float, seed: int = 7) -> torch.nn.Module:

@@ -226,12 +226,11 @@ class Engine:
         self.kv.copy_blocks(plan.copies)
         if self.drafter is not None:
             self.drafter.kv.copy_blocks(plan.copies)
-        drafting = [seq for seq, _ in plan.scheduled if self.scheduler.draft_length(seq)]
         outputs = []
-        for group in _by_width([item for item in plan.scheduled if item[0] not in drafting]):
+        for group in _by_width([item for item in plan.scheduled if item[0] not in plan.drafts]):
             outputs += self._run(group)
-        if drafting:
-            outputs += self._speculate(drafting)
+        if plan.drafts:
+            outputs += self._speculate(list(plan.drafts), list(plan.drafts.values()))
         return outputs
 
     def _run(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
@@ -258,11 +257,12 @@ class Engine:
                     outputs.append(self._emit(member))
         return outputs
 
-    def _speculate(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """One speculative decode step: draft tokens per sequence, one target forward over each sequence's
-        pending token and its drafts, then the rejection scheme decides which tokens each sequence keeps."""
+    def _speculate(self, seqs: list[Sequence], lengths: list[int]) -> list[RequestOutput]:
+        """One speculative decode step: lengths[i] draft tokens for seqs[i] (the positions the scheduler
+        reserved), one target forward over each sequence's pending token and its drafts, then the rejection
+        scheme decides which tokens each sequence keeps."""
         assert self.drafter is not None
-        proposals, draft_probs = self.drafter.propose(seqs, [self.scheduler.draft_length(seq) for seq in seqs])
+        proposals, draft_probs = self.drafter.propose(seqs, lengths)
         chunks = [[seq.tokens[seq.n_computed], *drafted] for seq, drafted in zip(seqs, proposals, strict=True)]
         batch = StepBatch.build(chunks, [seq.n_computed for seq in seqs], self.kv.k[0].device)
         views = self.kv.step_views([seq.table for seq in seqs], batch.positions)

@@ -67,6 +67,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     copies: list[BlockCopy] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    drafts: dict[Sequence, int] = field(default_factory=dict)  # draft positions reserved for a decode step
 
 
 class Scheduler:
@@ -172,11 +173,13 @@ class Scheduler:
             budget -= n + extra
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput, extra: int = 0) -> None:
-        """Blocks for `n` new tokens plus `extra` draft positions; the plan records the `n`."""
+        """Blocks for `n` new tokens plus `extra` draft positions; the plan records both."""
         end = seq.n_computed + n + extra
         self.allocator.grow(seq.table, end)
         out.copies += self.allocator.copy_on_write(seq.table, seq.n_computed, end)
         out.scheduled.append((seq, n))
+        if extra:
+            out.drafts[seq] = extra
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
