@@ -7,7 +7,10 @@ positions, scaled, shared and tied embeddings, dropout 0.1, attention dropout 0)
 its own library's initialisation; nothing is downloaded. Both train on the same batches in the same order, with
 the same step code: forward, label-smoothed cross-entropy (tformer.training.losses, epsilon 0.1, computed
 outside both models) / target tokens, backward, paper_adam (Adam 0.9/0.98/1e-9, noam schedule, scale 0.5,
-warmup 200) step, scheduler step, zero_grad.
+warmup 200) step, scheduler step, zero_grad. Before step k each side seeds the dropout draws as tformer's
+trainer does (seed_dropout(seed, k)), so tformer's side trains exactly as `tformer train` does with the same
+recipe: drawing from one shared generator instead, the steps of one model shift the other's masks, and with
+seed 1 that kept tformer on the unigram plateau past step 1,000 where `tformer train` leaves it by step 250.
 
 The two steps alternate on the same batch (order swapped every other round) until each side has spent
 --budget seconds in its own steps; the side that gets there first stops and the other trains on alone. Then
@@ -44,6 +47,7 @@ from tformer.data import seq2seq_lengths
 from tformer.inference import translate_ids
 from tformer.training.losses import label_smoothed_cross_entropy
 from tformer.training.optim import paper_adam
+from tformer.training.trainer import seed_dropout
 
 # configs/en-de-10min.yaml
 D_MODEL, N_HEADS, D_FF, N_LAYERS, MAX_POSITIONS = 256, 4, 1024, 3, 256
@@ -172,6 +176,7 @@ class Side:
     optimizer: torch.optim.Optimizer = field(init=False)
     scheduler: torch.optim.lr_scheduler.LRScheduler = field(init=False)
     bf16: bool = False  # forward and loss under torch.autocast(bfloat16)
+    seed: int = 1  # dropout of step k: seed_dropout(seed, k), as tformer's trainer draws it
     times: list[float] = field(default_factory=list)  # wall seconds of each step
     cpu: list[float] = field(default_factory=list)  # this process's CPU seconds of each step
     tokens: list[int] = field(default_factory=list)  # target tokens of each step
@@ -190,6 +195,7 @@ class Side:
     def step(self, batch: Batch) -> None:
         """One optimizer step on `batch`: the same code for both models."""
         self.model.train()
+        seed_dropout(self.seed, len(self.times))
         cpu, start = time.process_time(), time.perf_counter()
         with torch.autocast("cpu", torch.bfloat16, enabled=self.bf16):
             loss_sum, n_tokens = label_smoothed_cross_entropy(self.logits(batch.data), batch.labels, LABEL_SMOOTHING)
@@ -334,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     tf = build_tformer(tok.vocab_size, args.tformer_init)
     torch.manual_seed(args.seed)
     hf = build_marian(tok)
-    sides = [Side("tformer", tf, tformer_logits(tf), bf16=args.bf16 != "none"),
-             Side("Marian", hf, marian_logits(hf), bf16=args.bf16 == "both")]
+    sides = [Side("tformer", tf, tformer_logits(tf), bf16=args.bf16 != "none", seed=args.seed),
+             Side("Marian", hf, marian_logits(hf), bf16=args.bf16 == "both", seed=args.seed)]
     translators = {"tformer": tformer_translate_ids, "Marian": marian_translate_ids}
     out(f"params: tformer {n_params(tf):,}, Marian {n_params(hf):,} (unique: shared + tied embeddings; Marian's "
         f"frozen sinusoid tables {2 * MAX_POSITIONS * D_MODEL:,} included, plus a final_logits_bias buffer)")
@@ -345,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     out(f"step (same code both sides): forward on the shared batch, label_smoothed_cross_entropy(eps="
         f"{LABEL_SMOOTHING}) / target tokens, backward, paper_adam (Adam 0.9/0.98/1e-9, noam scale {LR_SCALE}, "
         f"warmup {WARMUP}) step + scheduler step, zero_grad(set_to_none=True), loss.item(); batch collation "
-        f"is shared and not timed; bf16 autocast over forward and loss: "
+        f"is shared and not timed; dropout of step k seeded by seed_dropout({args.seed}, k) on both sides, as in "
+        f"tformer's trainer; bf16 autocast over forward and loss: "
         f"{', '.join(s.name for s in sides if s.bf16) or 'neither side'}")
     out(f"budget: {args.budget:g}s of step time per side, steps alternating on the same batch (order swapped "
         f"every other round); the side done first stops, the other goes on alone")

@@ -61,6 +61,16 @@ class TrainingDiverged(RuntimeError):
     """The loss or gradient became NaN or infinite; the last good checkpoint is kept."""
 
 
+def seed_dropout(seed: int, step: int, rank: int = 0) -> None:
+    """Seeds torch's global generator for the dropout draws of optimizer step `step` (0-based) on one rank.
+
+    A step's masks then depend on (seed, step, rank) alone: a resumed run draws what an uninterrupted one
+    does, and a loop that runs another model in between (benchmarks/translation_vs_marian.py) draws what
+    `tformer train` does.
+    """
+    torch.manual_seed(seed * 1_000_003 + step * 1_009 + rank)
+
+
 class Trainer:
     """Trains `model_config` with `train_config`, writing everything into `train_config.out_dir`."""
 
@@ -194,7 +204,7 @@ class Trainer:
         try:
             while self.step < c.max_steps and not dist.any_rank(self.stop_requested or self._out_of_time()):
                 started = time.perf_counter()
-                torch.manual_seed(c.seed * 1_000_003 + self.step * 1_009 + dist.dp_rank)  # dropout of this step
+                seed_dropout(c.seed, self.step, dist.dp_rank)
                 batches = []
                 for j in range(c.grad_accum):  # the step's global batches; each dp rank trains on its share
                     indices, self.cursor = next(stream)
