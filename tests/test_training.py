@@ -6,9 +6,11 @@ subprocesses with one thread, so that signals and exit codes are real.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -144,6 +146,32 @@ def test_a_run_killed_mid_training_resumes_bit_exactly(resume_recipe, tmp_path: 
     assert result.returncode == 0, result.stderr
     assert "resumed from" in result.stdout
     assert_bit_equal(weights(checkpoint_dir(run_dir, RESUME_STEPS)), expected)
+
+
+def training_records(run_dir: Path) -> list[tuple[int, float, float]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"], r["lr"]) for r in map(json.loads, lines) if "loss" in r]
+
+
+def test_a_resumed_run_logs_each_step_once(resume_recipe, tmp_path: Path) -> None:
+    """A run killed after logging steps past its last checkpoint: the resumed run's log drops them (and a torn
+    last line) and logs them again, so the log equals an uninterrupted run's."""
+    recipe, _ = resume_recipe
+    straight = trainer(recipe, f"train.out_dir={tmp_path / 'straight'}", "train.keep_last=10")
+    straight.fit()
+    killed = tmp_path / "killed"
+    shutil.copytree(straight.run_dir, killed)
+    for checkpoint in list_checkpoints(killed):
+        if int(checkpoint.name.removeprefix("step-")) > 10:
+            shutil.rmtree(checkpoint)
+    with open(killed / "metrics.jsonl", "a") as f:
+        f.write('{"step": 27, "lo')  # a line torn by the kill
+    resumed = trainer(recipe, f"train.out_dir={killed}", "train.keep_last=10")
+    assert resumed.step == 10
+    resumed.fit()
+    expected = training_records(straight.run_dir)
+    assert [step for step, _, _ in expected] == list(range(5, RESUME_STEPS + 1, 5))
+    assert training_records(killed) == expected
 
 
 KILL_IN_SECOND_SAVE = """

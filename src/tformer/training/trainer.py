@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from contextlib import nullcontext
@@ -69,6 +70,30 @@ def seed_dropout(seed: int, step: int, rank: int = 0) -> None:
     `tformer train` does.
     """
     torch.manual_seed(seed * 1_000_003 + step * 1_009 + rank)
+
+
+def drop_records_after(path: Path, step: int) -> None:
+    """Rewrites a metrics log without the records past `step` (and a line torn by a kill), atomically.
+
+    A run killed after its last checkpoint has logged steps that the resumed run trains and logs again; without
+    this the log and its curves would hold those steps twice.
+    """
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 class Trainer:
@@ -143,6 +168,7 @@ class Trainer:
         self.best_bleu, self.elapsed = state["best_bleu"], state["elapsed"]
         self.saved_step = self.step
         if self.dist.is_main:
+            drop_records_after(self.run_dir / "metrics.jsonl", self.step)
             print(f"resumed from {latest} (step {self.step})")
 
     # ---- one optimizer step ----------------------------------------------------------------------------
