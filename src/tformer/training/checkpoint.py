@@ -94,10 +94,15 @@ def best_checkpoint(run_dir: Path) -> Path | None:
     return best if best.is_dir() else None
 
 
+def write_text_atomically(path: Path, text: str) -> None:
+    """Writes `text` to a temporary file beside `path`, then renames it: a kill leaves the old file or the new."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def record_best(run_dir: Path, step: int, bleu: float) -> None:
-    tmp = run_dir / (BEST_FILE + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "bleu": bleu}) + "\n")
-    os.replace(tmp, run_dir / BEST_FILE)
+    write_text_atomically(run_dir / BEST_FILE, json.dumps({"step": step, "bleu": bleu}) + "\n")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import time
 from contextlib import nullcontext
@@ -40,6 +39,7 @@ from tformer.training.checkpoint import (
     prune_checkpoints,
     record_best,
     write_checkpoint_files,
+    write_text_atomically,
 )
 from tformer.training.config import OBJECTIVE_FAMILIES, TrainConfig
 from tformer.training.corpus import PreparedData, prepare_data
@@ -91,9 +91,7 @@ def drop_records_after(path: Path, step: int) -> None:
             kept.append(line)
     if len(kept) == len(lines):
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomically(path, "".join(line + "\n" for line in kept))
 
 
 class Trainer:
@@ -110,6 +108,7 @@ class Trainer:
             raise ConfigError("objective 'mlm' needs the MLM head; set model.encoder_head: mlm")
         self.config = train_config
         self.run_dir = Path(train_config.out_dir)
+        self.metrics_path = self.run_dir / "metrics.jsonl"  # one JSON record per line
         self.dist = init_distributed(train_config, torch.device(device))
         self.device = self.dist.device
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -168,7 +167,7 @@ class Trainer:
         self.best_bleu, self.elapsed = state["best_bleu"], state["elapsed"]
         self.saved_step = self.step
         if self.dist.is_main:
-            drop_records_after(self.run_dir / "metrics.jsonl", self.step)
+            drop_records_after(self.metrics_path, self.step)
             print(f"resumed from {latest} (step {self.step})")
 
     # ---- one optimizer step ----------------------------------------------------------------------------
@@ -346,12 +345,12 @@ class Trainer:
         final = {"step": self.step, "elapsed": self.elapsed}
         if self.data.dev and evaluate:
             final.update({"dev_sentences": len(self.data.dev), **self._evaluate(None, final=True)})
-        if self.dist.is_main and (self.run_dir / "metrics.jsonl").is_file():
-            final["curves"] = str(plot_training_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png"))
+        if self.dist.is_main and self.metrics_path.is_file():
+            final["curves"] = str(plot_training_curves(self.metrics_path, self.run_dir / "curves.png"))
         return final
 
     def _log(self, record: dict) -> None:
         if not self.dist.is_main:
             return
-        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
