@@ -1,4 +1,4 @@
-"""Weight-only quantization against the plain formulas, and quantized models against their float originals."""
+"""Quantized layers against the plain formulas, and quantized models against their float originals."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import torch
 from torch import nn
 
 from conftest import make_model, tiny_config
-from tformer.inference.quantize import Int4Linear, Int8Linear, model_bytes, quantize
+from tformer.inference.quantize import Int4Linear, Int8Linear, W8A8Linear, model_bytes, quantize
+
+QUANTIZED = (Int8Linear, Int4Linear, W8A8Linear)
 
 
 def test_int8_matches_per_channel_formula() -> None:
@@ -36,7 +38,44 @@ def test_int4_matches_grouped_formula(group_size: int) -> None:
     assert (expected_weight - linear.weight).abs().max() <= scale.max() / 2 + 1e-6
 
 
-@pytest.mark.parametrize("mode, budget", [("int8", 0.30), ("int4", 0.20)])
+def test_w8a8_matches_per_token_formula_and_ignores_the_other_rows() -> None:
+    """Weights as INT8; each row x of the input scaled by s = max|x| and quantized as fbgemm does over the
+    range [-1, 1]: q = clamp(round(x / s / (2/255)) + 127, 0, 255), standing for (q - 127) * (2/255) * s."""
+    linear = nn.Linear(128, 48)
+    layer = W8A8Linear(linear)
+    weight = linear.weight.detach()
+    scales = weight.abs().amax(1) / 127
+    q_weight = torch.round(weight / scales[:, None]).clamp(-128, 127)
+    x = torch.randn(6, 128) * torch.logspace(-2, 2, 6)[:, None]  # rows of very different sizes
+    row_scale = x.abs().amax(1, keepdim=True)
+    step = torch.tensor(2 / 255)
+    q_x = (torch.round(x / row_scale / step) + 127).clamp(0, 255)
+    expected = ((q_x - 127) @ q_weight.T) * step * row_scale * scales + linear.bias
+    out = layer(x)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.dequantized(), q_weight * scales[:, None])
+    for rows in (slice(0, 1), slice(2, 5), slice(5, 6)):  # per-token scales: a row's result is its own
+        assert torch.equal(layer(x[rows]), out[rows])
+    reference = layer(x.bfloat16().float())
+    bf16 = layer.to(torch.bfloat16)(x.bfloat16())  # the matmul reads fp32; the output and the bias are rounded
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.float(), reference, atol=reference.abs().max().item() / 128, rtol=0)
+
+
+def test_w8a8_copy_keeps_its_weight_after_the_original_is_gone() -> None:
+    import copy
+    import gc
+
+    layer = W8A8Linear(nn.Linear(64, 32))
+    x = torch.randn(3, 64)
+    expected = layer(x)
+    clone = copy.deepcopy(layer)
+    del layer
+    gc.collect()
+    assert torch.equal(clone(x), expected)
+
+
+@pytest.mark.parametrize("mode, budget", [("int8", 0.30), ("int4", 0.20), ("w8a8", 0.30)])
 def test_quantized_model_stays_close_and_shrinks(mode: str, budget: float) -> None:
     model = make_model(tiny_config("tiny-llama", d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=96))
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
@@ -45,7 +84,7 @@ def test_quantized_model_stays_close_and_shrinks(mode: str, budget: float) -> No
         before = model_bytes(model)
         quantize(model, mode, group_size=32)
         quantized = torch.softmax(model(ids), -1)
-    n_linear = sum(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
+    n_linear = sum(isinstance(m, QUANTIZED) for m in model.modules())
     assert n_linear == 2 * 4 + 2 * 3 + 1  # q, k, v, out and gate, up, down per layer, plus the head
     assert model_bytes(model) < before
     assert (quantized - reference).abs().sum(-1).max() < budget  # total variation distance per position
@@ -71,7 +110,7 @@ def test_bf16_activations_match_the_formula_in_float32(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode, dtype", [("int8", "float32"), ("int4", "float32"), ("int8", "bfloat16"),
-                                         ("int4", "bfloat16")])
+                                         ("int4", "bfloat16"), ("w8a8", "float32"), ("w8a8", "bfloat16")])
 def test_engine_serves_a_quantized_model_like_its_uncached_forward(mode: str, dtype: str) -> None:
     from test_engine import reference_greedy
     from tformer.inference import Engine, EngineConfig, SamplingParams
@@ -108,3 +147,20 @@ def test_set_precision_casts_or_quantizes_and_refuses_bad_choices() -> None:
         set_precision(model, "fp8")
     with pytest.raises(ConfigError, match="unknown quantization mode 'int3'"):
         set_precision(model, "bfloat16", "int3")
+
+
+def test_compiled_decode_of_a_w8a8_model_gives_the_uncached_tokens() -> None:
+    """fbgemm's packed weight sits behind a custom op, so the compiled decode step stays one graph."""
+    from test_engine import reference_greedy
+    from torch._dynamo.utils import counters
+
+    from tformer.inference import Engine, EngineConfig, SamplingParams
+
+    model = quantize(make_model(tiny_config("tiny-llama", vocab_size=96)), "w8a8")
+    prompts = [[5, 6, 7, 8, 9], [3, 4], list(range(1, 18))]
+    breaks_before = sum(counters["graph_break"].values())
+    results = Engine(model, config=EngineConfig(block_size=4, num_blocks=32, compile=True)).generate(
+        prompts, SamplingParams(max_tokens=8, temperature=0.0)
+    )
+    assert sum(counters["graph_break"].values()) == breaks_before
+    assert [r.token_ids for r in results] == [reference_greedy(model, p, 8) for p in prompts]

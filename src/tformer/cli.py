@@ -139,11 +139,11 @@ def generate(
     prompts: the prompts; none means read stdin
     temperature: 0 is greedy
     chat: wrap each prompt as a user message with the tokenizer's chat template, when it has one
-    quantize: int8 or int4 weight-only quantization of the linear layers (default: none)
+    quantize: int8 or int4 (weights only) or w8a8 (weights and activations, x86) for the linear layers (default: none)
     dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
     compile: run decode steps through torch.compile (the first step compiles for up to a minute)
     draft_model: a small model on the same tokenizer for speculative decoding (or the model itself, quantized)
-    draft_quantize: int8 or int4 quantization of the draft model (default: none)
+    draft_quantize: int8, int4 or w8a8 quantization of the draft model (default: none)
     speculative_tokens: draft tokens per decode step, with a draft model
     """
     from tformer.inference import EngineConfig, SamplingParams
@@ -176,7 +176,7 @@ def serve(
     port: TCP port to listen on
     api_key: require 'Authorization: Bearer KEY' on /v1 routes (default: $TFORMER_API_KEY, else none)
     model_name: the model id clients send and /v1/models lists (default: the file or directory name)
-    quantize: int8 or int4 weight-only quantization of the linear layers (default: none)
+    quantize: int8 or int4 (weights only) or w8a8 (weights and activations, x86) for the linear layers (default: none)
     dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
     max_model_len: the context a request may fill, prompt and output (default 0: the model's)
     max_seqs: requests decoded together in one continuous batch
@@ -184,7 +184,7 @@ def serve(
     kv_cache_mb: memory for the paged KV cache, in MiB
     compile: run decode steps through torch.compile (the first request's decoding compiles for up to a minute)
     draft_model: a small model on the same tokenizer for speculative decoding (or the model itself, quantized)
-    draft_quantize: int8 or int4 quantization of the draft model (default: none)
+    draft_quantize: int8, int4 or w8a8 quantization of the draft model (default: none)
     speculative_tokens: draft tokens per decode step, with a draft model
     """
     from tformer.inference import EngineConfig

@@ -40,7 +40,7 @@ def load_engine(
     draft_quantize: str | None = None,
 ) -> Engine:
     """An engine for `model` (a .gguf file, a tformer checkpoint or a Hugging Face directory) in `dtype`,
-    optionally with its linear layers quantized ('int8' or 'int4'; see `set_precision`), and with a draft
+    optionally with its linear layers quantized ('int8', 'int4' or 'w8a8'; see `set_precision`), and with a draft
     model for speculative decoding when `draft_model` names one (it may be the same file, quantized)."""
     check_precision(dtype, quantize)  # before the (slow) loads
     check_precision(dtype, draft_quantize)
