@@ -11,7 +11,8 @@ greedy tokens agree before timing.
    memory-bandwidth share is weight bytes read per token x tokens/s / measured copy bandwidth.
 2. 32 requests with mixed prompt and output lengths arriving together: total output tokens/s and p50/p99
    latency, tformer's continuous batching against HF static batching (one padded batch, generating until the
-   longest request is done; a request's latency is its batch's).
+   longest request is done; a request's latency is its batch's). `--rounds` alternating rounds, each tformer
+   round on a fresh engine (so no prefix-cache hits carry over); medians of each figure.
 3. KV memory of that workload: bytes used over bytes allocated, paged at block 16 against contiguous
    preallocation to each request's maximum length and to the model's context.
 
@@ -227,15 +228,22 @@ def batch1(engines: dict[str, Engine], hf, prompt: list[int], args, threads: int
 
 def serving(model, hf, tokenizer, args) -> None:
     requests = workload(tokenizer, args.requests)
-    engine = Engine(model, tokenizer, EngineConfig(block_size=16, compile=args.compile))
+    config = EngineConfig(block_size=16, compile=args.compile)
     if args.compile:  # compile the decode step (1 row and several rows) on other prompts, untimed
-        run_engine_workload(engine, workload(tokenizer, 3, seed=1))
-    ours = run_engine_workload(engine, requests)
-    theirs = run_hf_static(hf, requests, pad_id=tokenizer.pad_id or 0)
+        run_engine_workload(Engine(model, tokenizer, config), workload(tokenizer, 3, seed=1))
+    runs: dict[str, list[dict[str, float]]] = {"tformer": [], "hf": []}
+    steps = {  # a fresh engine each round: no prefix-cache hits from the previous round
+        "tformer": lambda: runs["tformer"].append(run_engine_workload(Engine(model, tokenizer, config), requests)),
+        "hf": lambda: runs["hf"].append(run_hf_static(hf, requests, pad_id=tokenizer.pad_id or 0)),
+    }
+    alternating_timing(steps, rounds=args.rounds, warmup=0)
+    ours, theirs = (_median_run(runs[side]) for side in ("tformer", "hf"))
     print(f"\n2. {args.requests} requests arriving together (prompts {min(len(p) for p, _ in requests)}-"
           f"{max(len(p) for p, _ in requests)} tokens, outputs {min(m for _, m in requests)}-"
           f"{max(m for _, m in requests)} tokens), HF in {args.dtype}, tformer "
-          f"{args.dtype if args.serve_with == 'float' else args.serve_with + ' linear layers, bf16 activations'}")
+          f"{args.dtype if args.serve_with == 'float' else args.serve_with + ' linear layers, bf16 activations'}; "
+          f"medians of {args.rounds} alternating rounds (tok/s per round, tformer: {_rates(runs['tformer'])}; "
+          f"HF: {_rates(runs['hf'])})")
     print(f"{'':28s} {'seconds':>8s} {'out tok/s':>10s} {'p50 s':>7s} {'p99 s':>7s}")
     for name, r in [("tformer continuous batching", ours), ("HF static batching", theirs)]:
         print(f"{name:28s} {r['seconds']:8.1f} {r['tok_s']:10.1f} {r['p50']:7.1f} {r['p99']:7.1f}")
@@ -245,6 +253,14 @@ def serving(model, hf, tokenizer, args) -> None:
     print(f"paged, block 16:                                  waste {ours['waste_paged']:6.1%}")
     print(f"contiguous, preallocated to prompt + max_tokens:  waste {ours['waste_per_request']:6.1%}")
     print(f"contiguous, preallocated to the context ({model.config.max_seq_len}): waste {ours['waste_context']:6.1%}")
+
+
+def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: median([r[key] for r in runs]) for key in runs[0]}
+
+
+def _rates(runs: list[dict[str, float]]) -> str:
+    return ", ".join(f"{r['tok_s']:.1f}" for r in runs)
 
 
 if __name__ == "__main__":
