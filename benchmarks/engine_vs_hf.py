@@ -61,6 +61,18 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / median(times)
 
 
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second of a pure read (torch.sum over a large fp32 tensor): what a kernel that only streams
+    its weights could reach, to hold the copy bandwidth (which counts reads and writes) against."""
+    src = torch.ones(megabytes * 2**20 // 4)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        src.sum()
+        times.append(time.perf_counter() - start)
+    return src.numel() * 4 / median(times)
+
+
 def chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
 
@@ -213,10 +225,11 @@ def batch1(engines: dict[str, Engine], hf, prompt: list[int], args, threads: int
     bench = Batch1(engines, hf, prompt, args.new_tokens)
     steps = {name: (lambda n=name: bench.tformer(n)) for name in engines} | {"hf": bench.hf_generate}
     alternating_timing(steps, rounds=args.rounds, warmup=1)
-    bandwidth = copy_bandwidth()
+    bandwidth, reading = copy_bandwidth(), read_bandwidth()
     hf_ttft, hf_rate = bench.summary("hf")
     print(f"\n1. batch-1 greedy, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, {threads} threads, "
-          f"median of {args.rounds} rounds; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+          f"median of {args.rounds} rounds; copy bandwidth {bandwidth / 1e9:.1f} GB/s (a pure read: "
+          f"{reading / 1e9:.1f} GB/s, {reading / bandwidth:.0%} of it)")
     print(f"{'':26s} {'TTFT ms':>9s} {'decode tok/s':>13s} {'vs HF':>7s} {'weights MB':>11s} {'BW share':>9s}")
     for name, m in models.items():
         ttft, rate = bench.summary(name)

@@ -26,7 +26,9 @@ in one process (order reversed every other run), after one warm-up run each; med
 time to first token (TTFT) and decode tokens/s after the first token, counted from the tokens actually produced.
 
 The bandwidth share is weight bytes read per decode token x decode tokens/s / measured large-copy bandwidth
-(`copy_bandwidth` of engine_vs_hf.py). Bytes read per token: llama.cpp, every tensor as stored in the file (the
+(`copy_bandwidth` of engine_vs_hf.py, which counts the bytes read and the bytes written). A pure read of a
+large tensor (`read_bandwidth`, torch.sum) is printed beside it: no decoder that streams its weights can
+read faster, so its share of the copy bandwidth caps the BW share column. Bytes read per token: llama.cpp, every tensor as stored in the file (the
 Q8_0 embedding is read whole, as the output head); tformer, every parameter and buffer, less an embedding table
 that is only looked up by row (with INT8/INT4 the head is quantized apart from the fp32 embedding, which then
 no longer counts). KV-cache reads are left out on both sides: 46 KB (tformer, fp32) or 23 KB (llama.cpp, f16)
@@ -55,7 +57,7 @@ from common import (  # noqa: E402
 )
 from conftest import smollm2_path  # noqa: E402
 from test_interop_gguf import john_1, perplexity  # noqa: E402
-from engine_vs_hf import chat_ids, copy_bandwidth  # noqa: E402
+from engine_vs_hf import chat_ids, copy_bandwidth, read_bandwidth  # noqa: E402
 
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tformer.inference.quantize import model_bytes, set_precision  # noqa: E402
@@ -227,7 +229,7 @@ def main() -> None:
     bench = Batch1(engines, llama, prompt, args.tokens)
     steps = {name: (lambda n=name: bench.tformer(n)) for name in engines} | {LLAMACPP: bench.llamacpp}
     timings = alternating_timing(steps, rounds=args.runs, warmup=1)
-    bandwidth = copy_bandwidth()
+    bandwidth, reading = copy_bandwidth(), read_bandwidth()
 
     weight_bytes = {name: bytes_read_per_token(m) for name, m in models.items()}
     weight_bytes[LLAMACPP] = gguf_weight_bytes(path)
@@ -236,7 +238,8 @@ def main() -> None:
     ppl = perplexities(models, path, tokenizer.encode(john_1()), threads) if args.perplexity else {}
 
     print(f"\nbatch-1 greedy, prompt {len(prompt)} tokens, {args.tokens} new tokens (end-of-sequence ignored), "
-          f"{threads} threads each, median of {args.runs} alternating runs; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+          f"{threads} threads each, median of {args.runs} alternating runs; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
+          f"(a pure read: {reading / 1e9:.1f} GB/s, {reading / bandwidth:.0%} of it, the ceiling of the BW share)")
     print(f"llama-cpp-python {llama_cpp.__version__}, torch {torch.__version__}")
     if ppl:
         print("perplexity: John 1 (World English Bible), one forward over its "
