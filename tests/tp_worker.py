@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 
 import torch
@@ -85,3 +86,8 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # As `tformer` does for a multi-process run (cli.main): leave without interpreter teardown, where gloo's
+    # threads sometimes abort a finished rank ("terminate called without an active exception", exit -6).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
