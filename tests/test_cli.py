@@ -42,11 +42,15 @@ def test_every_command_has_help():
 
 
 def test_generate_streams_what_the_engine_generates(tmp_path, capsys):
+    import copy
+
     import torch
 
     from tformer import ModelConfig, build_model
     from tformer.data.tokenizer import Tokenizer
     from tformer.inference import Engine, SamplingParams
+    from tformer.inference.quantize import W8A8Linear, quantize
+    from tformer.serve.server import load_engine
 
     texts = ["the cat sat on the mat", "a dog ran in the park", "the sun is warm today"] * 20
     tokenizer = Tokenizer.train(texts, vocab_size=300)
@@ -69,3 +73,15 @@ def test_generate_streams_what_the_engine_generates(tmp_path, capsys):
     assert capsys.readouterr().out == expected + "\n"
     assert main(["generate", "x", "--model", str(tmp_path), "--draft-quantize", "int8"]) == 2
     assert "needs a draft model" in capsys.readouterr().err
+    # --quantize w8a8 serves the model with int8 weights and activations: the text of an engine on such a copy
+    # (here the same text as the float model's), from an engine whose linear layers are all W8A8
+    w8a8 = Engine(quantize(copy.deepcopy(model), "w8a8"), tokenizer)
+    expected = w8a8.generate("the cat", SamplingParams(max_tokens=6, temperature=0.0))[0].text
+    served = load_engine(tmp_path, quantize="w8a8", dtype="float32").model
+    assert not any(type(m) is torch.nn.Linear for m in served.modules())
+    assert sum(isinstance(m, W8A8Linear) for m in served.modules()) == 2 * 7 + 1  # 2 layers of 7, and the head
+    assert main(["generate", "the cat", "--model", str(tmp_path), "--max-tokens", "6", "--no-chat",
+                 "--dtype", "float32", "--quantize", "w8a8"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    assert main(["generate", "x", "--model", str(tmp_path), "--quantize", "w4a4"]) == 2
+    assert "unknown quantization mode 'w4a4'; choose one of: int8, int4, w8a8" in capsys.readouterr().err
