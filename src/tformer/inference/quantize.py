@@ -144,7 +144,7 @@ class W8A8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         if linear.weight.device.type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:
-            raise ValueError("w8a8 runs on fbgemm's x86 CPU kernels; on other devices use int8 or int4")
+            raise ConfigError("w8a8 runs on fbgemm's x86 CPU kernels; on other devices use int8 or int4")
         weight = linear.weight.detach().float()
         scales = (weight.abs().amax(1) / 127).clamp(min=1e-12)
         self.packed = torch.ops.quantized.linear_prepack(_per_channel_int8(weight, scales), None)
