@@ -164,3 +164,14 @@ def test_compiled_decode_of_a_w8a8_model_gives_the_uncached_tokens() -> None:
     )
     assert sum(counters["graph_break"].values()) == breaks_before
     assert [r.token_ids for r in results] == [reference_greedy(model, p, 8) for p in prompts]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
+def test_a_quantized_model_is_not_saved_as_a_checkpoint(mode: str, tmp_path) -> None:
+    """`load` could not read its tensors back into the config's model, so `save` refuses and writes nothing."""
+    from tformer.models.base import CheckpointError
+
+    model = quantize(make_model(tiny_config("tiny-llama", vocab_size=96)), mode, group_size=32)
+    with pytest.raises(CheckpointError, match=r"quantized model \(int8, int4, w8a8\) cannot be saved"):
+        model.save(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

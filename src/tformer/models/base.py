@@ -41,13 +41,32 @@ class TransformerModel(nn.Module):
         return sum(p.numel() for p in params.values())
 
     def save(self, path: str | Path) -> None:
-        """Writes config.yaml and model.safetensors into directory `path`; each file appears atomically."""
+        """Writes config.yaml and model.safetensors into directory `path`; each file appears atomically.
+
+        Refuses (CheckpointError, writing nothing) a model whose tensors are not the ones its config builds,
+        such as a quantized copy: `load` could not read that checkpoint back.
+        """
+        self._check_savable()
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.config.to_file(path / CONFIG_FILE)
         tmp = path / (WEIGHTS_FILE + ".tmp")
         save_model(self, str(tmp))
         os.replace(tmp, path / WEIGHTS_FILE)
+
+    def _check_savable(self) -> None:
+        from tformer.models import build_model
+
+        with torch.device("meta"):
+            expected = set(build_model(self.config).state_dict())
+        actual = set(self.state_dict())
+        if actual != expected:
+            raise CheckpointError(
+                f"cannot save this model as a tformer checkpoint: its tensors are not the ones its config builds "
+                f"(missing {sorted(expected - actual)[:3]}, unexpected {sorted(actual - expected)[:3]}); a "
+                "quantized model (int8, int4, w8a8) cannot be saved: save the float model and quantize it when "
+                "serving (--quantize)"
+            )
 
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> TransformerModel:
