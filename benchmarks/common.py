@@ -150,12 +150,17 @@ def matmul_peak(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int 
     probe, flops = matmul_probe(dtype, n, count=1)
     for _ in range(warmup):
         probe()
+    return flops / median_seconds(probe, repeats)
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The median wall time of `repeats` calls of `fn`."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        probe()
+        fn()
         times.append(time.perf_counter() - start)
-    return flops / median(times)
+    return median(times)
 
 
 class Timings(dict):

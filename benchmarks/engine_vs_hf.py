@@ -20,7 +20,7 @@ With `--dtype bfloat16` both sides run the same weights cast to bf16; bf16 round
 implementations, so there the greedy check reports how many leading tokens agree instead of requiring all of
 them. `--serve-with int4` (or int8, w8a8) runs part 2 on tformer's quantized model instead of the float one, and
 `--compile` runs tformer's decode steps through torch.compile (`EngineConfig(compile=True)`; the warm-up
-round and the greedy check pay the compilation). `--draft int4` (or int8) adds a batch-1 row for speculative
+round and the greedy check pay the compilation). `--draft int4` (or int8, w8a8) adds a batch-1 row for speculative
 decoding: tformer's `--dtype` model as the target and its quantized copy as the draft
 (`Engine(model, draft=...)`, `--speculative-tokens` per step), whose greedy tokens must be the target's own.
 
@@ -40,7 +40,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from common import agreeing_prefix, alternating_timing, load_report, machine_info, median, set_threads  # noqa: E402
+from common import (  # noqa: E402
+    agreeing_prefix, alternating_timing, load_report, machine_info, median, median_seconds, set_threads,
+)
 from conftest import smollm2_path  # noqa: E402
 
 from tformer.data.corpora import bible_text  # noqa: E402
@@ -53,24 +55,14 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     """Bytes per second moved by a large tensor copy (read + write), the practical memory bandwidth."""
     src = torch.ones(megabytes * 2**20 // 4)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * 4 / median(times)
+    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), repeats)
 
 
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     """Bytes per second of a pure read (torch.sum over a large fp32 tensor): what a kernel that only streams
     its weights could reach, to hold the copy bandwidth (which counts reads and writes) against."""
     src = torch.ones(megabytes * 2**20 // 4)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        src.sum()
-        times.append(time.perf_counter() - start)
-    return src.numel() * 4 / median(times)
+    return src.numel() * 4 / median_seconds(src.sum, repeats)
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:

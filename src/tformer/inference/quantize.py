@@ -31,13 +31,18 @@ from tformer.config import ConfigError
 QUANT_MODES = ("int8", "int4", "w8a8")
 
 
+def per_channel_scales(weight: torch.Tensor) -> torch.Tensor:
+    """INT8's scale of each output row: max |w_row| / 127 (never 0)."""
+    return (weight.abs().amax(1) / 127).clamp(min=1e-12)
+
+
 class Int8Linear(nn.Module):
     """y = x (q * s)^T + b with int8 q (out, in) and float scales s (out,)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
-        scales = (weight.abs().amax(1) / 127).clamp(min=1e-12)
+        scales = per_channel_scales(weight)
         self.register_buffer("qweight", torch.round(weight / scales[:, None]).clamp(-128, 127).to(torch.int8))
         self.register_buffer("scales", scales.to(linear.weight.dtype))
         self.bias = linear.bias
@@ -146,7 +151,7 @@ class W8A8Linear(nn.Module):
         if linear.weight.device.type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:
             raise ConfigError("w8a8 runs on fbgemm's x86 CPU kernels; on other devices use int8 or int4")
         weight = linear.weight.detach().float()
-        scales = (weight.abs().amax(1) / 127).clamp(min=1e-12)
+        scales = per_channel_scales(weight)
         self.packed = torch.ops.quantized.linear_prepack(_per_channel_int8(weight, scales), None)
         self._register()
         self.bias = linear.bias
