@@ -8,7 +8,7 @@ from functools import cache
 import pytest
 import torch
 
-from test_engine import reference_greedy
+from test_engine import greedy_within_rounding, reference_greedy
 from tformer.inference import Engine, EngineConfig, SamplingParams
 from tformer.inference.quantize import quantize, set_precision
 from tformer.inference.speculative import SpeculativeStats, speculative_generate
@@ -80,15 +80,6 @@ def test_engine_speculates_with_an_int8_draft(smollm2) -> None:
     assert engine.speculative.acceptance_rate > 0.5 and engine.speculative.target_calls < N_TOKENS - 1
 
 
-def greedy_within_rounding(model: torch.nn.Module, prompt: list[int], tokens: list[int], margin: float) -> bool:
-    """Whether each of `tokens` scores within `margin` of the best logit of the uncached forward on the prefix
-    before it: greedy decoding up to near-ties that bf16 rounding can flip either way."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens]))[0, len(prompt) - 1 : -1].float()  # (len(tokens), V)
-    chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-    return bool((chosen >= logits.amax(1) - margin).all())
-
-
 BF16_ULP_AT_20 = 0.125  # bf16 keeps 8 significant bits: logits of SmolLM2 reach about 20
 
 
@@ -96,9 +87,11 @@ BF16_ULP_AT_20 = 0.125  # bf16 keeps 8 significant bits: logits of SmolLM2 reach
 def test_bf16_weights_give_the_bf16_uncached_tokens_and_still_answer(smollm2, quantize_mode: str | None) -> None:
     """bf16 activations, with float or quantized linear layers (the packed kernels' fast case).
 
-    The cached and uncached forwards round differently in bf16. Plain bf16 gave the same tokens; with INT4
-    one step had a near-tie (20.375 against 20.5, one bf16 step apart) that the two paths broke differently,
-    so quantized models are held to the uncached forward's choice up to two bf16 steps at every token.
+    The cached and uncached forwards reduce in different shapes, so in bf16 their logits differ by rounding and
+    exact token equality is not a property of the engine: on 2026-12-01 plain bf16 left the uncached tokens at
+    token 5 of the second prompt on one machine (669 against 378) and not on another. Teacher-forced on the
+    engine's tokens, each one must score within two bf16 steps of the uncached forward's best logit (INT4 had a
+    near-tie of 20.375 against 20.5, one step apart), and a wrong last token must not.
     W8A8 also rounds every activation to 1/127 of its token's largest, and the two paths' rounding differences
     move some activations to the next level: its tokens scored up to 0.81 below the uncached forward's best
     (0.36 in fp32), so it is held to one logit (8 bf16 steps).
@@ -110,8 +103,6 @@ def test_bf16_weights_give_the_bf16_uncached_tokens_and_still_answer(smollm2, qu
     assert next(bf16.parameters()).dtype == torch.bfloat16
     engine = Engine(bf16, tokenizer, EngineConfig(block_size=16))
     results = engine.generate(prompts[:2], GREEDY)
-    if quantize_mode is None:
-        assert [r.token_ids for r in results] == [reference_greedy(bf16, p, N_TOKENS) for p in prompts[:2]]
     margin = (8 if quantize_mode == "w8a8" else 2) * BF16_ULP_AT_20
     for result, prompt in zip(results, prompts[:2], strict=True):
         assert greedy_within_rounding(bf16, prompt, result.token_ids, margin)
