@@ -23,7 +23,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tformer.config import ConfigError, ModelConfig
-from tformer.data import Seq2SeqBatch, teacher_forcing
+from tformer.data import Seq2SeqBatch, Tokenizer, teacher_forcing
 from tformer.models import WEIGHTS_FILE, CheckpointError, build_model, load
 from tformer.training import Trainer, TrainingDiverged, load_recipe
 from tformer.training.checkpoint import (
@@ -298,6 +298,24 @@ def test_averaging_refuses_different_configs(tmp_path: Path) -> None:
         average_checkpoints(paths, tmp_path / "average")
     with pytest.raises(CheckpointError, match="at least one"):
         average_checkpoints([], tmp_path / "average")
+
+
+def test_averaging_keeps_the_whole_tokenizer_of_the_first_checkpoint(tmp_path: Path) -> None:
+    paths = saved_models(tmp_path, [ModelConfig.from_preset("tiny-transformer")] * 2)
+    plain = Tokenizer.train([" ".join(WORDS)] * 20, vocab_size=300)
+    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    chat = Tokenizer(plain.backend, add_bos=True, chat_template=template)
+    chat.save(paths[0])
+    plain.save(paths[1])  # a tokenizer without template and bos, which the average must not take
+    averaged = Tokenizer.load(average_checkpoints(paths, tmp_path / "average"))
+    assert averaged.chat_template == template and averaged.add_bos is True
+    assert averaged.special_tokens == chat.special_tokens
+    text = "three one four"
+    assert averaged.encode(text) == chat.encode(text) == [chat.bos_id, *plain.encode(text)]
+    messages = [{"role": "user", "content": "two"}]
+    assert averaged.apply_chat_template(messages) == chat.apply_chat_template(messages) == "<|user|>two</s>"
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the first checkpoint's files, byte for byte
+        assert (tmp_path / "average" / name).read_bytes() == (paths[0] / name).read_bytes(), name
 
 
 # ---- one optimizer step ------------------------------------------------------------------------------------------

@@ -5,9 +5,10 @@ A run directory looks like::
     runs/en-de/
       train.yaml                     the recipe as run (model + train sections)
       metrics.jsonl                  one JSON object per log / eval event
-      curves.png                     loss, learning rate and dev BLEU
+      curves.png                     loss, learning rate and dev BLEU (or perplexity)
       best.json                      {"step": ..., "bleu": ...}: the checkpoint `tformer translate` uses
-      checkpoints/step-00000500/     config.yaml, model.safetensors, tokenizer.json, trainer_state.pt, sharded/
+      checkpoints/step-00000500/     config.yaml, model.safetensors, tokenizer.json, tokenizer_config.json,
+                                     trainer_state.pt, sharded/
 
 model.safetensors holds the whole (consolidated) weights for inference, however many ranks trained them.
 sharded/ holds the model and optimizer state as written by torch.distributed.checkpoint, one shard per
@@ -29,6 +30,8 @@ from typing import Any
 
 import torch
 
+from tformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
+from tformer.data.tokenizer import Tokenizer
 from tformer.models import CheckpointError, TransformerModel, load
 
 STATE_FILE = "trainer_state.pt"
@@ -120,7 +123,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def average_checkpoints(paths: list[Path], out: Path) -> Path:
-    """Writes the element-wise mean of several checkpoints' weights (same config) to `out`."""
+    """Writes the element-wise mean of several checkpoints' weights (same config) to `out`.
+
+    The tokenizer of the first checkpoint goes along, all of it: tokenizer.json and tokenizer_config.json
+    (special tokens, `add_bos`, the chat template), so the averaged checkpoint encodes and chats the same.
+    """
     if not paths:
         raise CheckpointError("average needs at least one checkpoint")
     models = [load(p) for p in paths]
@@ -135,9 +142,10 @@ def average_checkpoints(paths: list[Path], out: Path) -> Path:
         for name, param in averaged.state_dict(keep_vars=True).items():
             param.copy_(means[name].to(param.dtype))
     averaged.save(out)
-    tokenizer = paths[-1] / "tokenizer.json"
-    if tokenizer.is_file():
-        shutil.copyfile(tokenizer, out / "tokenizer.json")
+    if (paths[0] / TOKENIZER_FILE).is_file():
+        # loaded and saved rather than copied file by file: `save` writes every setting `load` read, also
+        # those a Hugging Face style directory keeps in special_tokens_map.json or chat_template.jinja
+        Tokenizer.load(paths[0]).save(out)
     return out
 
 
