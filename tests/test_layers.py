@@ -251,6 +251,54 @@ def test_single_query_attention_in_low_precision_matches_the_math_backend(dtype,
     torch.testing.assert_close(out32, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T", [24, 300])
+def test_sdpa_backend_trains_in_bf16_like_fp32(T: int) -> None:
+    """CPU bf16 training: up to 256 keys the sdpa backend takes the math path (faster there), beyond it torch's
+    kernel. Either way its output and gradients must match the fp32 formula within bf16 rounding."""
+    from tformer.layers.attention import math_attention, sdpa_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, T, 16) for _ in range(3))
+    padding = torch.arange(T)[None] < torch.tensor([[T], [T // 2], [T - 3]])
+    bias = torch.zeros(3, 1, 1, T).masked_fill(~padding[:, None, None], torch.finfo(torch.float32).min)
+    grads = []
+    for dtype, backend in ((torch.float32, math_attention), (torch.bfloat16, sdpa_attention)):
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        out, _ = backend(*leaves, AttentionMask(bias=bias.to(dtype)), 0.0)
+        (out.float() * torch.linspace(-1, 1, 16)).sum().backward()
+        grads.append([out.float()] + [t.grad.float() for t in leaves])
+    for got, expected in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, expected, atol=4e-2 * expected.abs().max().item(), rtol=0)
+
+
+def test_cpu_dropout_drops_p_and_keeps_the_expectation() -> None:
+    """The cheap CPU mask (16-bit draws) against the definition: each element zeroed with probability p, the
+    rest scaled by 1 / (1 - p); masks independent of position; reproducible from the seed; identity in eval."""
+    from tformer.layers import Dropout
+
+    layer = Dropout(0.1)
+    x = torch.ones(400, 1000)
+    torch.manual_seed(5)
+    out = layer(x)
+    dropped = out == 0
+    n = x.numel()
+    assert abs(dropped.float().mean().item() - 0.1) < 4 * math.sqrt(0.1 * 0.9 / n)  # 4 standard errors
+    for part in (dropped[:, :500], dropped[:, 500:], dropped[::2], dropped[1::2], dropped.view(-1)[0::4]):
+        assert abs(part.float().mean().item() - 0.1) < 4 * math.sqrt(0.1 * 0.9 / part.numel())
+    assert abs(out.mean().item() - 1.0) < 4 * math.sqrt(0.1 / 0.9 / n)  # E[out] = x
+    kept = out[~dropped]
+    torch.testing.assert_close(kept, torch.full_like(kept, 65536 / (65536 - round(0.1 * 65536))))
+    torch.manual_seed(5)
+    assert torch.equal(layer(x), out)
+    w = torch.randn(400, 1000, requires_grad=True)
+    torch.manual_seed(5)
+    layer(w).sum().backward()  # d out / d w is the same mask and scale
+    torch.testing.assert_close(w.grad, out)
+    assert torch.equal(layer.eval()(x), x) and torch.equal(Dropout(0.0)(x), x)
+    with pytest.raises(ValueError, match="dropout probability"):
+        Dropout(1.5)
+
+
 def test_math_backend_keeps_softmax_weights() -> None:
     attn = randomize(Attention(tiny_config("tiny-transformer", attention_backend="math"))).eval()
     attn.keep_weights = True

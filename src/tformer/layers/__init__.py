@@ -2,6 +2,7 @@
 
 from tformer.layers.attention import ATTENTION_BACKENDS, Attention, AttentionMask, build_mask
 from tformer.layers.block import RESIDUALS, Block
+from tformer.layers.dropout import Dropout
 from tformer.layers.ffn import FFNS, make_ffn
 from tformer.layers.norms import NORMS, RMSNorm, make_norm
 from tformer.layers.positions import POSITIONS, alibi_slopes, make_positions, sinusoidal_table
@@ -11,6 +12,7 @@ __all__ = [
     "Attention",
     "AttentionMask",
     "Block",
+    "Dropout",
     "FFNS",
     "NORMS",
     "POSITIONS",

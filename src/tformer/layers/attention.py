@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer.config import ModelConfig
+from tformer.layers.dropout import dropout
 from tformer.layers.kv_cache import CrossKV, SelfAttentionCache
 from tformer.layers.positions import Rotary, apply_rotary
 
@@ -84,6 +85,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 Backend = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+CPU_TRAINING_MATH_MAX_KEYS = 256  # longest key length at which CPU bf16 training takes the math path (see sdpa)
 
 
 def sdpa_attention(
@@ -95,10 +97,19 @@ def sdpa_attention(
     `single_query_attention`, because torch's CPU kernel is slow there: for 32 rows of SmolLM2's attention
     (9 query heads on 3 KV heads, 200 keys) it took 3.4 ms in bf16 against 0.29 ms for two grouped matmuls
     (4 rows: 0.40 against 0.11 ms). For one row the kernel is as fast, and SmolLM2 decoded faster with it.
+
+    Two: training in bf16/fp16 on the CPU over at most CPU_TRAINING_MATH_MAX_KEYS keys goes to `math_attention`,
+    since torch's CPU flash backward is slow for short sequences (forward + backward, 4 heads of 64, 4,096
+    tokens, a padding mask, 2026-12-01): 29.9 against 4.6 ms at 16 keys, 17.0 / 4.8 at 32, 18.3 / 6.0 at 64,
+    22.2 / 14.2 at 128, 22.8 / 21.0 at 256, and 38.7 / 42.0 at 512, where the kernel wins. In fp32 the kernel
+    is as fast or faster at every length, so fp32 keeps it.
     """
     low_precision = q.dtype in (torch.bfloat16, torch.float16)
-    if q.shape[2] == 1 and q.shape[0] > 1 and q.device.type == "cpu" and low_precision and not dropout_p:
+    on_cpu = q.device.type == "cpu"
+    if q.shape[2] == 1 and q.shape[0] > 1 and on_cpu and low_precision and not dropout_p:
         return single_query_attention(q, k, v, mask), None
+    if on_cpu and low_precision and q.requires_grad and k.shape[2] <= CPU_TRAINING_MATH_MAX_KEYS:
+        return math_attention(q, k, v, mask, dropout_p)[0], None
     bias = None if mask.bias is None else mask.bias.to(q.dtype)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=mask.is_causal, enable_gqa=k.shape[1] != q.shape[1]
@@ -139,7 +150,7 @@ def math_attention(
     if mask.bias is not None:
         scores = scores + mask.bias.to(scores.dtype)
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = F.dropout(weights, p=dropout_p) @ v  # (B, H, Tq, D)
+    out = dropout(weights, dropout_p) @ v  # (B, H, Tq, D)
     return out, weights
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from tformer.config import ModelConfig
 from tformer.layers.attention import Attention, AttentionMask
+from tformer.layers.dropout import Dropout
 from tformer.layers.ffn import make_ffn
 from tformer.layers.kv_cache import LayerCache
 from tformer.layers.norms import make_norm
@@ -30,7 +31,7 @@ class PostNorm(nn.Module):
     def __init__(self, config: ModelConfig, alpha: float = 1.0) -> None:
         super().__init__()
         self.norm = make_norm(config)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         self.alpha = alpha
 
     def forward(self, x: torch.Tensor, sublayer: Sublayer) -> torch.Tensor:
@@ -43,7 +44,7 @@ class PreNorm(nn.Module):
     def __init__(self, config: ModelConfig, alpha: float = 1.0) -> None:
         super().__init__()
         self.norm = make_norm(config)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, sublayer: Sublayer) -> torch.Tensor:
         return x + self.dropout(sublayer(self.norm(x)))
@@ -56,7 +57,7 @@ class SandwichNorm(nn.Module):
         super().__init__()
         self.norm_in = make_norm(config)
         self.norm_out = make_norm(config)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, sublayer: Sublayer) -> torch.Tensor:
         return x + self.dropout(self.norm_out(sublayer(self.norm_in(x))))

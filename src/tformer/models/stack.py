@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tformer.config import ModelConfig
-from tformer.layers import AttentionMask, Block, build_mask, make_norm, make_positions
+from tformer.layers import AttentionMask, Block, Dropout, build_mask, make_norm, make_positions
 from tformer.layers.kv_cache import KVCache, LayerCache
 
 
@@ -58,7 +58,7 @@ class TransformerStack(nn.Module):
         self.positions = make_positions(config)
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
         self.embed_norm = make_norm(config) if config.embedding_norm else None
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         self.layers = nn.ModuleList(Block(config, stack, cross_attention) for _ in range(n_layers))
         self.final_norm = make_norm(config) if config.final_norm else nn.Identity()
 
