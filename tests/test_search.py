@@ -10,6 +10,7 @@ import torch
 from conftest import make_model, tiny_config, tokens
 
 from tformer.inference import beam_search, greedy_search, length_penalty, translate_ids
+from tformer.layers.kv_cache import CrossKV
 from tformer.inference.search import beam_search_decoder
 from tformer.models import DecoderLM, EncoderDecoder
 
@@ -201,12 +202,13 @@ class TableModel:
 
 
 class PrefixCache:
-    """The target tokens so far; beam search reorders it like a KV cache."""
+    """The target tokens so far, as a layer's cache: beam search reorders it like self-attention keys."""
 
     def __init__(self, batch_size: int) -> None:
         self.tokens = torch.zeros(batch_size, 0, dtype=torch.long)
+        self.self_attn, self.cross_attn = self, CrossKV()
 
-    def reorder(self, index: torch.Tensor) -> None:
+    def reorder(self, index: torch.Tensor, length: int | None = None) -> None:
         self.tokens = self.tokens[index]
 
 
@@ -343,3 +345,20 @@ def test_translate_ids_returns_results_in_input_order(beam_size: int) -> None:
     one_by_one = translate_ids(model, sources, BOS, EOS, PAD, beam_size, 0.6, batch_size=1, extra_len=extra_len)
     assert out == one_by_one
     assert len({tuple(h) for h in out}) >= 3, "outputs must differ, or a mix-up of the order could pass"
+
+
+def test_batched_beam_search_gives_each_sentence_its_own_hypothesis_as_sources_finish() -> None:
+    """Sources leave the batch as their searches end (fairseq's shrinking batch): every hypothesis must still be
+    exactly what beam search over that sentence alone gives (fp32), with some ending by </s> early and others
+    running to their limits."""
+    model = seq2seq_model(seed=5)
+    with torch.no_grad():
+        model.lm_head.weight[EOS] *= -3  # the tied </s> row: some searches end at once, others run to the limit
+    lengths = [6, 2, 9, 4, 7, 3, 8, 5, 1, 6, 4]
+    sources = [tokens(1, n, 90, seed=40 + i)[0].add(3).tolist() for i, n in enumerate(lengths)]
+    out = translate_ids(model, sources, BOS, EOS, PAD, beam_size=4, alpha=0.6, batch_size=6, extra_len=6)
+    alone = [translate_ids(model, [source], BOS, EOS, PAD, beam_size=4, alpha=0.6, extra_len=6)[0] for source in sources]
+    assert out == alone
+    limits = [n + 1 + 6 for n in lengths]
+    assert any(len(h) < limit for h, limit in zip(out, limits)), "no search ended by </s>: nothing left the batch"
+    assert any(len(h) == limit for h, limit in zip(out, limits)), "every search ended early"

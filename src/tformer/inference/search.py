@@ -71,7 +71,9 @@ def beam_search(
 ) -> list[list[int]]:
     """Batched beam search over sources (B, S); returns the best hypothesis per source, without specials.
 
-    `max_len` caps the generated tokens, for the whole batch or per row.
+    `max_len` caps the generated tokens, for the whole batch or per row. As in fairseq, a source whose search
+    is done leaves the batch: the model then runs only on the K beams of each source still searching, so a
+    batch costs what its live sources cost, not what its longest one does.
     """
     model.eval()
     B, K = src.shape[0], beam_size
@@ -81,13 +83,25 @@ def beam_search(
     cache = model.new_cache(B * K, max(limits) + 1)
     beams = Beams.start(limits, K, alpha, eos_id, src.device)
     tokens = torch.full((B * K, 1), bos_id, dtype=torch.long, device=src.device)
+    live = torch.arange(B * K, device=src.device)  # the beam rows (b * K + k) in the model's batch, in order
     for t in range(max(limits)):
-        logits = model.decode(tokens, memory, src_mask, cache=cache, start=t)[:, -1]  # (B*K, V)
-        parents = beams.advance(torch.log_softmax(logits.float(), -1))
+        logits = model.decode(tokens, memory, src_mask, cache=cache, start=t)[:, -1]  # (len(live), V)
+        memory = None  # the cross-attention keys and values are cached after the first step
+        log_probs = logits.new_zeros(B * K, logits.shape[-1], dtype=torch.float32)  # rows of done sources: unread
+        log_probs[live] = torch.log_softmax(logits.float(), -1)
+        parents = beams.advance(log_probs)
         if parents is None:
             break
-        _reorder(cache, parents)
-        tokens = beams.last_tokens()
+        searching = torch.tensor([not done for done in beams.done], device=src.device).repeat_interleave(K)
+        next_live = searching.nonzero()[:, 0]
+        slot = torch.full((B * K,), -1, dtype=torch.long, device=src.device)
+        slot[live] = torch.arange(len(live), device=src.device)  # beam row -> its place in the batch
+        index = slot[parents[next_live]]  # a beam's parent is a beam of the same source: still in the batch
+        if len(next_live) < len(live):
+            src_mask = src_mask[slot[next_live]]
+        _reorder(cache, index, t + 1, shrinking=len(next_live) < len(live))
+        live = next_live
+        tokens = beams.last_tokens()[live]
     return beams.best()
 
 
@@ -221,9 +235,16 @@ class Beams:
         return [max(hyps, key=lambda h: h[0])[1] if hyps else [] for hyps in self.finished]
 
 
-def _reorder(cache: list[LayerCache], index: torch.Tensor) -> None:
+def _reorder(cache: list[LayerCache], index: torch.Tensor, length: int | None = None, shrinking: bool = True) -> None:
+    """Each row of the batch takes the cache of row `index[row]`, for the first `length` positions (all if None).
+
+    Cross-attention keys and values are the same for every beam of a source, so a reorder within the sources
+    leaves them as they are; only a batch that drops sources (`shrinking`) selects their rows.
+    """
     for layer_cache in cache:
-        layer_cache.reorder(index)
+        layer_cache.self_attn.reorder(index, length)
+        if shrinking:
+            layer_cache.cross_attn.reorder(index)
 
 
 def _row_limits(max_len: int | Sequence[int], batch_size: int) -> list[int]:

@@ -46,9 +46,17 @@ class KVCache:
             self.v[rows[keep], :, positions[keep]] = v.transpose(1, 2)[keep]
         return self.k[:, :, :end], self.v[:, :, :end]
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keeps batch rows `index` (beam search: each surviving hypothesis takes its parent's cache)."""
-        self.k, self.v = self.k[index], self.v[index]
+    def reorder(self, index: torch.Tensor, length: int | None = None) -> None:
+        """Keeps batch rows `index` (beam search: each surviving hypothesis takes its parent's cache).
+
+        With `length`, only the first `length` positions are copied (the rest is not written yet); when the
+        batch keeps its size, the copy goes into the existing tensors instead of new ones.
+        """
+        if length is None or len(index) != self.k.shape[0]:
+            self.k, self.v = self.k[index], self.v[index]
+            return
+        self.k[:, :, :length] = self.k[index, :, :length]
+        self.v[:, :, :length] = self.v[index, :, :length]
 
 
 @dataclass

@@ -6,7 +6,7 @@ A run directory looks like::
       train.yaml                     the recipe as run (model + train sections)
       metrics.jsonl                  one JSON object per log / eval event
       curves.png                     loss, learning rate and dev BLEU (or perplexity)
-      best.json                      {"step": ..., "bleu": ...}: the checkpoint `tformer translate` uses
+      best.json                      {"step", "bleu", "dev_sentences"}: the checkpoint `tformer translate` uses
       checkpoints/step-00000500/     config.yaml, model.safetensors, tokenizer.json, tokenizer_config.json,
                                      trainer_state.pt, sharded/
 
@@ -104,8 +104,19 @@ def write_text_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def record_best(run_dir: Path, step: int, bleu: float) -> None:
-    write_text_atomically(run_dir / BEST_FILE, json.dumps({"step": step, "bleu": bleu}) + "\n")
+def record_best(run_dir: Path, step: int, bleu: float, dev_sentences: int) -> None:
+    """Names `step` the best checkpoint: its dev BLEU on the first `dev_sentences` sentences, the set every
+    evaluation of the run is compared on."""
+    record = {"step": step, "bleu": bleu, "dev_sentences": dev_sentences}
+    write_text_atomically(run_dir / BEST_FILE, json.dumps(record) + "\n")
+
+
+def rewrite_trainer_state(checkpoint: Path, state: dict) -> None:
+    """Replaces a committed checkpoint's trainer state atomically (its weights stay): a score learnt after
+    the step was saved, such as the final evaluation's new best, then agrees with best.json."""
+    tmp = checkpoint / (STATE_FILE + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, checkpoint / STATE_FILE)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -24,6 +24,12 @@ class TranslationResult:
     hypotheses: list[str]
     references: list[str]
 
+    def bleu_of_first(self, n: int) -> float:
+        """Corpus BLEU of the first `n` sentences alone (all of them when n is 0 or at least their number)."""
+        if not n or n >= len(self.hypotheses):
+            return self.bleu
+        return sacrebleu.metrics.BLEU().corpus_score(self.hypotheses[:n], [self.references[:n]]).score
+
     def samples(self, n: int) -> list[dict[str, str]]:
         return [
             {"source": s, "hypothesis": h, "reference": r}

@@ -25,7 +25,6 @@ import torch
 import yaml
 from torch import nn
 from safetensors.torch import load_model
-from tqdm import tqdm
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import OBJECTIVES, Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab, causal_lm
@@ -37,7 +36,9 @@ from tformer.training.checkpoint import (
     load_trainer_state,
     pending_dir,
     prune_checkpoints,
+    checkpoint_dir,
     record_best,
+    rewrite_trainer_state,
     write_checkpoint_files,
     write_text_atomically,
 )
@@ -54,6 +55,7 @@ from tformer.training.distributed import (
 from tformer.training.evaluate import evaluate_translation, forward_logits, perplexity
 from tformer.training.losses import label_smoothed_cross_entropy
 from tformer.training.optim import adamw_cosine, paper_adam
+from tformer.training.progress import Progress
 from tformer.training.sharded import SHARDED_DIR, load_sharded, save_sharded
 from tformer.viz import plot_training_curves
 
@@ -133,6 +135,9 @@ class Trainer:
         self.stop_requested = False
         self.saved_step = -1
         self._resume()
+        # with a time budget the step count is not the limit: show the budget left instead of a step ETA
+        total = None if train_config.time_budget else train_config.max_steps
+        self.progress = Progress(self.dist.is_main, total, self.step)
 
     # ---- setup -----------------------------------------------------------------------------------------
     def _optimizer(self) -> tuple:
@@ -222,9 +227,6 @@ class Trainer:
         dist = self.dist
         stream = self.sampler.iterate(self.cursor)  # the global stream: the same on every rank
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
-        # with a time budget the step count is not the limit: show the budget left instead of a step ETA
-        bar = tqdm(total=None if c.time_budget else c.max_steps, initial=self.step, desc="train", dynamic_ncols=True,
-                   disable=not dist.is_main)
         window_tokens, window_loss, window_start = 0, 0.0, self.elapsed  # training time only, no eval
         try:
             while self.step < c.max_steps and not dist.any_rank(self.stop_requested or self._out_of_time()):
@@ -240,12 +242,12 @@ class Trainer:
                 self.elapsed += time.perf_counter() - started
                 window_tokens += n_tokens
                 window_loss += loss * n_tokens
-                bar.update(1)
+                self.progress.advance()
                 if self.step % c.log_every == 0:
                     rate = window_tokens / max(self.elapsed - window_start, 1e-9)
                     lr, mean_loss = self.scheduler.get_last_lr()[0], window_loss / window_tokens
-                    left = {"left": f"{(c.time_budget - self.elapsed) / 60:.0f}min"} if c.time_budget else {}
-                    bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}", **left)
+                    left = c.time_budget - self.elapsed if c.time_budget else None
+                    self.progress.report(self.step, mean_loss, lr, rate, left)
                     self._log({"step": self.step, "loss": mean_loss, "lr": lr, "tokens_per_s": rate,
                                "elapsed": self.elapsed})
                     window_tokens, window_loss, window_start = 0, 0.0, self.elapsed
@@ -254,7 +256,7 @@ class Trainer:
                 if self.step % c.save_every == 0:
                     self._save()
         finally:
-            bar.close()
+            self.progress.close()
             signal.signal(signal.SIGINT, previous_handler)
         interrupted = dist.any_rank(self.stop_requested)
         if interrupted and dist.is_main:
@@ -271,9 +273,11 @@ class Trainer:
         return self.config.time_budget > 0 and self.elapsed >= self.config.time_budget
 
     def _save(self) -> None:
-        """A checkpoint of this step (a collective: every rank writes its shards, rank 0 the rest)."""
-        if self.saved_step == self.step:  # e.g. a new best on a save step: one write is enough
-            return
+        """A checkpoint of this step (a collective: every rank writes its shards, rank 0 the rest).
+
+        When this step is already on disk (a new best on a save step, or the final evaluation's new best after
+        the last save), only its trainer state is rewritten, by rank 0, so that it agrees with best.json.
+        """
         state = {
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
@@ -281,6 +285,10 @@ class Trainer:
             "best_bleu": self.best_bleu,
             "elapsed": self.elapsed,
         }
+        if self.saved_step == self.step:
+            if self.dist.is_main:
+                rewrite_trainer_state(checkpoint_dir(self.run_dir, self.step), state)
+            return
         weights = self._consolidated()
         tmp = begin_checkpoint(self.run_dir, self.step) if self.dist.is_main else pending_dir(self.run_dir, self.step)
         self.dist.barrier()
@@ -308,7 +316,9 @@ class Trainer:
     def _evaluate(self, n_sentences: int | None, final: bool = False) -> dict:
         """Dev BLEU (or perplexity), computed by rank 0 on the consolidated model; saves a new best.
 
-        The final evaluation comes after the last save, so the other ranks need not wait for its score."""
+        The best checkpoint is chosen on the same dev sentences every time, the first `eval_sentences`: the
+        final evaluation decodes the whole dev set and reports its BLEU, but competes with the score of those
+        first sentences. It comes after the last save, so the other ranks need not wait for its score."""
         if not self.data.dev or self.config.objective not in ("seq2seq", "clm"):
             return {}
         dev = self.data.dev[:n_sentences] if n_sentences else self.data.dev
@@ -320,13 +330,14 @@ class Trainer:
             result = evaluate_translation(model, self.data.tokenizer, dev, self.config.beam_size,
                                           self.config.length_penalty)
             self._log({"step": self.step, "dev_bleu": result.bleu, "dev_sentences": len(dev)})
-            tqdm.write(f"step {self.step}: dev BLEU {result.bleu:.2f} on {len(dev)} sentences")
-        local_bleu = result.bleu if result else -1.0  # no score on the ranks other than 0
+            self.progress.write(f"step {self.step}: dev BLEU {result.bleu:.2f} on {len(dev)} sentences")
+        compared = min(self.config.eval_sentences, len(dev))
+        local_bleu = result.bleu_of_first(compared) if result else -1.0  # no score on the ranks other than 0
         bleu = local_bleu if final else self.dist.from_main(local_bleu)
         if bleu > self.best_bleu:
             self.best_bleu = bleu
             if self.dist.is_main:
-                record_best(self.run_dir, self.step, bleu)  # before the save: the saved state then agrees
+                record_best(self.run_dir, self.step, bleu, compared)  # before the save: the saved state agrees
             self._save()
         if result is None:  # final evaluation on a rank other than 0
             return {}
@@ -337,7 +348,7 @@ class Trainer:
         batches = [causal_lm(encoded[i : i + 32], self.vocab).to(self.device) for i in range(0, len(encoded), 32)]
         ppl = perplexity(model, batches)
         self._log({"step": self.step, "dev_ppl": ppl, "dev_sentences": len(encoded)})
-        tqdm.write(f"step {self.step}: dev perplexity {ppl:.2f} on {len(encoded)} lines")
+        self.progress.write(f"step {self.step}: dev perplexity {ppl:.2f} on {len(encoded)} lines")
         return {"dev_ppl": ppl, "dev_sentences": len(encoded)}
 
     def _final_evaluation(self, evaluate: bool = True) -> dict:
