@@ -17,6 +17,7 @@ setup: $(BIN)/.installed
 
 main: setup
 	$(BIN)/tformer train configs/en-de-10min.yaml
+	$(BIN)/tformer eval --model runs/en-de-10min --split test
 	$(BIN)/tformer translate --model runs/en-de-10min \
 		"In the beginning God created the heavens and the earth." \
 		"The light shines in the darkness."

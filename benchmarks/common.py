@@ -118,9 +118,23 @@ def machine_info() -> str:
     except OSError:
         pass
     return (
-        f"{cpu}, {os.cpu_count()} CPUs; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"python {platform.python_version()}"
+        f"{cpu}, {os.cpu_count()} CPUs, flags: {cpu_flags()}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, python {platform.python_version()}"
     )
+
+
+MATMUL_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512f", "avx2")
+
+
+def cpu_flags() -> str:
+    """The CPU features that decide which matmul kernels oneDNN and fbgemm pick (AMX tiles, AVX-512 BF16, VNNI):
+    the same benchmark runs 2-5x apart on machines that differ here, so every report names them."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            present = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return "unknown"
+    return " ".join(flag for flag in MATMUL_FLAGS if flag in present) or "none of " + ", ".join(MATMUL_FLAGS)
 
 
 def matmul_probe(dtype: torch.dtype = torch.float32, n: int = 2048, count: int = 2) -> tuple[Callable[[], None], int]:

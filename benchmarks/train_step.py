@@ -11,6 +11,7 @@ Throughput is also given as a share of the measured matmul peak of this machine 
 count used).
 
     .venv/bin/python benchmarks/train_step.py                     # defaults: ~3.5 min on 2 quiet cores
+    .venv/bin/python benchmarks/train_step.py --workload main-job  # the main recipe vs Marian (main_job_step.py)
     .venv/bin/python benchmarks/train_step.py --steps 4 --warmup 1 --dtypes fp32
 """
 
@@ -198,6 +199,17 @@ class Report:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--workload" in argv:  # --workload main-job: the translation recipe's model against Marian
+        i = argv.index("--workload")
+        workload, rest = argv[i + 1 : i + 2], argv[:i] + argv[i + 2 :]
+        if workload == ["main-job"]:
+            from main_job_step import main as main_job
+
+            return main_job(rest)
+        if workload != ["gpt2"]:
+            raise SystemExit(f"unknown --workload {' '.join(workload) or '(missing)'}; choose gpt2 or main-job")
+        argv = rest
     args = parse_args(argv)
     threads = set_threads(args.threads)
     out = Report(args.output)

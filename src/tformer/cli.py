@@ -78,7 +78,9 @@ def evaluate(*, model: str, data: str = "bible:en-de", split: str = "test", beam
     result = evaluate_checkpoint(model, data, split, beam_size, alpha, limit)
     for sample in result.samples(3):
         print(f"src: {sample['source']}\nhyp: {sample['hypothesis']}\nref: {sample['reference']}\n")
-    print(f"BLEU {result.bleu:.2f} on {len(result.hypotheses)} sentences ({result.signature})")
+    name = f"{split} " if data.startswith("bible:") else ""
+    print(f"{name}BLEU {result.bleu:.2f} on {len(result.hypotheses)} sentences, beam {beam_size}, decoded in "
+          f"{result.seconds:.0f} s ({result.signature})")
 
 
 def average(checkpoints: list[str], *, out: str) -> None:

@@ -49,7 +49,7 @@ def run_recipe(path: str | Path, overrides: list[str] = (), device: str = "cpu")
     print(f"\nfinished at step {result['step']} after {result['elapsed']:.0f} s of training")
     if "dev_bleu" in result:
         print(f"dev BLEU (all {result['dev_sentences']} sentences, beam {train_config.beam_size}): "
-              f"{result['dev_bleu']:.2f}")
+              f"{result['dev_bleu']:.2f}, decoded in {result['dev_seconds']:.0f} s")
         for sample in result["samples"]:
             print(f"  src: {sample['source']}\n  hyp: {sample['hypothesis']}\n  ref: {sample['reference']}")
     if "dev_ppl" in result:

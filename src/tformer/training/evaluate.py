@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ class TranslationResult:
     sources: list[str]
     hypotheses: list[str]
     references: list[str]
+    seconds: float = 0.0  # wall time of the decoding
 
     def bleu_of_first(self, n: int) -> float:
         """Corpus BLEU of the first `n` sentences alone (all of them when n is 0 or at least their number)."""
@@ -53,10 +55,12 @@ def evaluate_translation(
     """Translates the sources of `pairs` and scores them against the references with sacreBLEU."""
     sources = [s for s, _ in pairs]
     references = [r for _, r in pairs]
+    start = time.perf_counter()
     hypotheses = translate(model, tokenizer, sources, beam_size, alpha)
+    seconds = time.perf_counter() - start
     bleu = sacrebleu.metrics.BLEU()
     score = bleu.corpus_score(hypotheses, [references])
-    return TranslationResult(score.score, str(bleu.get_signature()), sources, hypotheses, references)
+    return TranslationResult(score.score, str(bleu.get_signature()), sources, hypotheses, references, seconds)
 
 
 def forward_logits(model: TransformerModel, batch: Seq2SeqBatch | LMBatch) -> torch.Tensor:

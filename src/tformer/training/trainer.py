@@ -341,7 +341,8 @@ class Trainer:
             self._save()
         if result is None:  # final evaluation on a rank other than 0
             return {}
-        return {"dev_bleu": result.bleu, "dev_sentences": len(dev), "samples": result.samples(3)}
+        return {"dev_bleu": result.bleu, "dev_sentences": len(dev), "dev_seconds": result.seconds,
+                "samples": result.samples(3)}
 
     def _evaluate_perplexity(self, model: TransformerModel, lines: list[str]) -> dict:
         encoded = [ids for ids in self.data.tokenizer.encode_batch(lines) if 0 < len(ids) <= self.config.max_len]
