@@ -31,12 +31,12 @@ from tformer.data import OBJECTIVES, Cursor, LMBatch, Seq2SeqBatch, TokenBatchSa
 from tformer.models import WEIGHTS_FILE, CheckpointError, TransformerModel, build_model
 from tformer.training.checkpoint import (
     begin_checkpoint,
+    checkpoint_dir,
     commit_checkpoint,
     list_checkpoints,
     load_trainer_state,
     pending_dir,
     prune_checkpoints,
-    checkpoint_dir,
     record_best,
     rewrite_trainer_state,
     write_checkpoint_files,
