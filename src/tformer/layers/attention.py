@@ -98,11 +98,11 @@ def sdpa_attention(
     (9 query heads on 3 KV heads, 200 keys) it took 3.4 ms in bf16 against 0.29 ms for two grouped matmuls
     (4 rows: 0.40 against 0.11 ms). For one row the kernel is as fast, and SmolLM2 decoded faster with it.
 
-    Two: training in bf16/fp16 on the CPU over at most CPU_TRAINING_MATH_MAX_KEYS keys goes to `math_attention`,
-    since torch's CPU flash backward is slow for short sequences (forward + backward, 4 heads of 64, 4,096
-    tokens, a padding mask, 2026-12-01): 29.9 against 4.6 ms at 16 keys, 17.0 / 4.8 at 32, 18.3 / 6.0 at 64,
-    22.2 / 14.2 at 128, 22.8 / 21.0 at 256, and 38.7 / 42.0 at 512, where the kernel wins. In fp32 the kernel
-    is as fast or faster at every length, so fp32 keeps it.
+    A second exception: bf16/fp16 training on the CPU over at most CPU_TRAINING_MATH_MAX_KEYS keys goes to the
+    math path, since torch's CPU flash backward is slow for short sequences (forward + backward, 4 heads of 64,
+    4,096 tokens, a padding mask, 2026-12-01): 29.9 against 4.6 ms at 16 keys, 17.0 / 4.8 at 32, 18.3 / 6.0 at
+    64, 22.2 / 14.2 at 128, 22.8 / 21.0 at 256, and 38.7 / 42.0 at 512, where the kernel wins. In fp32 the
+    kernel is as fast or faster at every length, so fp32 keeps it.
     """
     low_precision = q.dtype in (torch.bfloat16, torch.float16)
     on_cpu = q.device.type == "cpu"
