@@ -6,8 +6,9 @@ norm placement, which costs the same (one LayerNorm per sublayer either way). Th
 the embedded EN-DE corpus, a 4,000-id joint BPE, the token-budget sampler; each timed round steps every
 mode once on the same batch, in alternating order, and the table gives medians.
 
-A step is what tformer's trainer does: forward (under bf16 autocast where named), the label-smoothed loss
-(tformer.training.losses, outside both models) over target tokens, backward, fused Adam step, zero_grad.
+A step is what tformer's trainer does (translation_vs_marian.Side): dropout seeded per step, forward (under bf16
+autocast where named), the label-smoothed loss (tformer.training.losses, outside both models) over target
+tokens, backward, the paper's Adam and schedule, zero_grad.
 
 Modes:
 - tformer fp32, dropout 0.1 (before): the recipe's step until 2026-12-01 (fp32, post-norm, dropout 0.1 with
@@ -19,9 +20,7 @@ Modes:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,15 +30,13 @@ from torch import nn
 
 from common import alternating_timing, busy_processes, load_report, machine_info, median, set_threads
 from train_step import Report, source_state
-from translation_vs_marian import BatchStream, build_data, marian_logits, tformer_logits
+from translation_vs_marian import BatchStream, Side, build_data, build_marian, marian_logits, tformer_logits
 
 from tformer import ModelConfig, build_model
 from tformer.layers import Dropout
 from tformer.training import load_recipe
-from tformer.training.losses import label_smoothed_cross_entropy
 
 RECIPE = Path(__file__).resolve().parent.parent / "configs" / "en-de-10min.yaml"
-LABEL_SMOOTHING = 0.1
 BEFORE = "tformer fp32, dropout 0.1 (before)"
 
 
@@ -54,45 +51,6 @@ def with_torch_dropout(model: nn.Module) -> nn.Module:
         if isinstance(module, Dropout):
             module.forward = lambda x, m=module: F.dropout(x, m.p, m.training)
     return model
-
-
-def build_marian_like(config: ModelConfig, pad_id: int, eos_id: int, bos_id: int, attention: str) -> nn.Module:
-    from transformers import MarianConfig, MarianMTModel
-
-    marian = MarianConfig(
-        vocab_size=config.vocab_size, d_model=config.d_model, encoder_layers=config.n_encoder_layers,
-        decoder_layers=config.n_decoder_layers, encoder_attention_heads=config.n_heads,
-        decoder_attention_heads=config.n_heads, encoder_ffn_dim=config.d_ff, decoder_ffn_dim=config.d_ff,
-        max_position_embeddings=config.max_seq_len, activation_function="relu", dropout=config.dropout,
-        attention_dropout=config.attn_dropout, activation_dropout=0.0, scale_embedding=True,
-        share_encoder_decoder_embeddings=True, tie_word_embeddings=True, pad_token_id=pad_id,
-        eos_token_id=eos_id, decoder_start_token_id=bos_id, forced_eos_token_id=None,
-    )
-    model = MarianMTModel._from_config(marian, attn_implementation=attention)
-    assert model.config._attn_implementation == attention, model.config._attn_implementation
-    return model
-
-
-def stepper(model: nn.Module, make_logits: Callable, batches: BatchStream, bf16: bool) -> Callable[[], None]:
-    """A callable doing one training step on the next batch (its own counter: every mode sees batch k at round k).
-
-    `make_logits(model)` gives the model's function from a batch to its logits (tformer's or Marian's call)."""
-    logits = make_logits(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
-    count = [0]
-    model.train()
-
-    def step() -> None:
-        batch = batches[count[0]]
-        count[0] += 1
-        with torch.autocast("cpu", torch.bfloat16) if bf16 else contextlib.nullcontext():
-            out = logits(batch.data)
-        loss_sum, n_tokens = label_smoothed_cross_entropy(out, batch.labels, LABEL_SMOOTHING)
-        (loss_sum / n_tokens).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,16 +85,19 @@ def main(argv: list[str] | None = None) -> int:
 
     def marian(attention: str) -> nn.Module:
         torch.manual_seed(0)
-        return build_marian_like(config, tok.pad_id, tok.eos_id, tok.bos_id, attention)
+        return build_marian(tok, config, attention)
 
-    modes = {
-        BEFORE: stepper(tformer(before=True), tformer_logits, batches, False),
-        "tformer fp32": stepper(tformer(), tformer_logits, batches, False),
-        "tformer bf16 (the recipe)": stepper(tformer(), tformer_logits, batches, True),
-        "Marian fp32 sdpa": stepper(marian("sdpa"), marian_logits, batches, False),
-        "Marian bf16 sdpa": stepper(marian("sdpa"), marian_logits, batches, True),
-        "Marian bf16 eager": stepper(marian("eager"), marian_logits, batches, True),
+    models = {
+        BEFORE: (tformer(before=True), tformer_logits, False),
+        "tformer fp32": (tformer(), tformer_logits, False),
+        "tformer bf16 (the recipe)": (tformer(), tformer_logits, True),
+        "Marian fp32 sdpa": (marian("sdpa"), marian_logits, False),
+        "Marian bf16 sdpa": (marian("sdpa"), marian_logits, True),
+        "Marian bf16 eager": (marian("eager"), marian_logits, True),
     }
+    # each Side steps as tformer's trainer does; step k of every mode trains on batch k
+    sides = {name: Side(name, model, logits(model), bf16=bf16) for name, (model, logits, bf16) in models.items()}
+    modes = {name: (lambda side=side: side.step(batches[len(side.times)])) for name, side in sides.items()}
     times = alternating_timing(modes, rounds=args.steps, warmup=args.warmup)
     # alternating_timing calls each mode once per round on the round's batch: tokens of rounds warmup..
     tokens = [batches[args.warmup + i].tokens for i in range(args.steps)]

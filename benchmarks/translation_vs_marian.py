@@ -126,29 +126,37 @@ class BatchStream:
 
 
 # ---- models ---------------------------------------------------------------------------------------------
-def build_tformer(vocab_size: int, init: str = "xavier") -> nn.Module:
-    cfg = ModelConfig.from_preset(
+def tformer_config(vocab_size: int, init: str = "xavier") -> ModelConfig:
+    """The shape of configs/en-de-10min.yaml as it was when this benchmark was written (post-norm, dropout 0.1)."""
+    return ModelConfig.from_preset(
         "transformer-base", d_model=D_MODEL, n_heads=N_HEADS, d_ff=D_FF, n_encoder_layers=N_LAYERS,
         n_decoder_layers=N_LAYERS, max_seq_len=MAX_POSITIONS, vocab_size=vocab_size, dropout=DROPOUT,
         attn_dropout=ATTN_DROPOUT, init=init,
     )
-    return build_model(cfg)
 
 
-def build_marian(tokenizer: Tokenizer) -> nn.Module:
+def build_tformer(vocab_size: int, init: str = "xavier") -> nn.Module:
+    return build_model(tformer_config(vocab_size, init))
+
+
+def build_marian(tokenizer: Tokenizer, shape: ModelConfig | None = None, attention: str = "sdpa") -> nn.Module:
+    """HF's MarianMTModel with tformer's `shape` (default: `tformer_config`'s): layers, widths, heads, positions,
+    dropout; ReLU, scaled, shared and tied embeddings; post-norm, Marian's only placement."""
     from transformers import GenerationConfig, MarianConfig, MarianMTModel
 
+    shape = shape or tformer_config(tokenizer.vocab_size)
     config = MarianConfig(
-        vocab_size=tokenizer.vocab_size, d_model=D_MODEL, encoder_layers=N_LAYERS, decoder_layers=N_LAYERS,
-        encoder_attention_heads=N_HEADS, decoder_attention_heads=N_HEADS, encoder_ffn_dim=D_FF,
-        decoder_ffn_dim=D_FF, max_position_embeddings=MAX_POSITIONS, activation_function="relu",
-        dropout=DROPOUT, attention_dropout=ATTN_DROPOUT, activation_dropout=0.0, scale_embedding=True,
+        vocab_size=tokenizer.vocab_size, d_model=shape.d_model, encoder_layers=shape.n_encoder_layers,
+        decoder_layers=shape.n_decoder_layers, encoder_attention_heads=shape.n_heads,
+        decoder_attention_heads=shape.n_heads, encoder_ffn_dim=shape.d_ff, decoder_ffn_dim=shape.d_ff,
+        max_position_embeddings=shape.max_seq_len, activation_function="relu", dropout=shape.dropout,
+        attention_dropout=shape.attn_dropout, activation_dropout=0.0, scale_embedding=True,
         share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_id, eos_token_id=tokenizer.eos_id, decoder_start_token_id=tokenizer.bos_id,
         forced_eos_token_id=None,  # Marian's default (0) would force <pad> at the length limit
     )
-    model = MarianMTModel._from_config(config, attn_implementation="sdpa")
-    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    model = MarianMTModel._from_config(config, attn_implementation=attention)
+    assert model.config._attn_implementation == attention, model.config._attn_implementation
     shared = model.model.shared.weight
     assert model.lm_head.weight is shared and model.model.decoder.embed_tokens.weight is shared, "not tied"
     model.generation_config = GenerationConfig(
