@@ -295,6 +295,8 @@ def test_cpu_dropout_drops_p_and_keeps_the_expectation() -> None:
     layer(w).sum().backward()  # d out / d w is the same mask and scale
     torch.testing.assert_close(w.grad, out)
     assert torch.equal(layer.eval()(x), x) and torch.equal(Dropout(0.0)(x), x)
+    few = torch.ones(100)  # p that rounds to 1 in 16 bits goes to torch's dropout instead of dividing by zero
+    assert not Dropout(1.0)(few).any() and not Dropout(1 - 1e-6)(few).any()
     with pytest.raises(ValueError, match="dropout probability"):
         Dropout(1.5)
 
