@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import alternating_timing, busy_processes, load_report, machine_info, median, set_threads
-from train_step import Report, source_state
+from common import alternating_timing, load_report, median, set_threads
+from train_step import Report
 from translation_vs_marian import BatchStream, Side, build_data, build_marian, marian_logits, tformer_logits
 
 from tformer import ModelConfig, build_model
@@ -62,12 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     threads = set_threads(args.threads)
     out = Report(args.output)
-    out("train_step --workload main-job: the main recipe's model, tformer vs HF MarianMTModel, one training step")
-    out(f"machine: {machine_info()}")
-    out(f"command: {' '.join(sys.argv)}")
-    out(f"tformer source: {source_state()}")
-    out(load_report("before"))
-    out(f"other busy processes before: {busy_processes()}")
+    out.header("train_step --workload main-job: the main recipe's model, tformer vs HF MarianMTModel, "
+               "one training step")
 
     data = build_data(seed=1, test_sentences=1)
     tok = data.tokenizer

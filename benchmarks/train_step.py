@@ -192,6 +192,15 @@ class Report:
         print(line, flush=True)
         self.lines.append(line)
 
+    def header(self, title: str) -> None:
+        """The report's first lines: what runs, on which machine and checkout, and the load before it starts."""
+        self(title)
+        self(f"machine: {machine_info()}")
+        self(f"command: {' '.join(sys.argv)}")
+        self(f"tformer source: {source_state()}")
+        self(load_report("before"))
+        self(f"other busy processes before: {busy_processes()}")
+
     def save(self) -> None:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,12 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     threads = set_threads(args.threads)
     out = Report(args.output)
-    out("train_step: tformer GPT-2 small vs HF GPT2LMHeadModel (sdpa), one training step, CPU")
-    out(f"machine: {machine_info()}")
-    out(f"command: {' '.join(sys.argv)}")
-    out(f"tformer source: {source_state()}")
-    out(load_report("before"))
-    out(f"other busy processes before: {busy_processes()}")
+    out.header("train_step: tformer GPT-2 small vs HF GPT2LMHeadModel (sdpa), one training step, CPU")
     if args.wait_idle > 0:
         waited, busy = wait_for_idle(args.wait_idle)
         out(f"waited {waited:.0f}s for other processes to go quiet (--wait-idle {args.wait_idle:g}); still busy: {busy}")
