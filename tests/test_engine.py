@@ -6,17 +6,12 @@ import pytest
 import torch
 
 from conftest import make_model, tiny_config
+from helpers import DECODERS, prompts_of_mixed_lengths, reference_greedy
 from tformer.inference.engine import Engine, EngineConfig
 from tformer.inference.sampling import RequestError, SamplingParams
 from tformer.inference.search import beam_search, beam_search_decoder, greedy_search
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
-DECODERS = {
-    "llama (RoPE, GQA, RMSNorm, SwiGLU)": dict(preset="tiny-llama"),
-    "gpt2 (learned positions)": dict(preset="tiny-gpt2"),
-    "alibi": dict(preset="tiny-llama", position="alibi"),
-    "sliding window": dict(preset="tiny-llama", sliding_window=5),
-}
 
 
 class CharTokenizer:
@@ -29,32 +24,6 @@ class CharTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(i + 32) for i in ids if i < 95)
-
-
-def reference_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    """Greedy decoding with the full uncached forward at every step."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
-def greedy_within_rounding(model: torch.nn.Module, prompt: list[int], tokens: list[int], margin: float) -> bool:
-    """Whether each of `tokens` scores within `margin` of the best logit of the uncached forward on the prefix
-    before it: greedy decoding up to near-ties that bf16 rounding can flip either way.
-
-    Two bf16 paths that reduce in different shapes (cached decode against the full forward) round differently,
-    so tests of bf16 paths state this margin instead of demanding the reference's exact tokens."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens]))[0, len(prompt) - 1 : -1].float()  # (len(tokens), V)
-    chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-    return bool((chosen >= logits.amax(1) - margin).all())
-
-
-def prompts_of_mixed_lengths(vocab: int, lengths: tuple[int, ...] = (7, 2, 13, 1, 20)) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(3)
-    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
 @pytest.fixture(params=list(DECODERS), scope="module")

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from conftest import make_model, tiny_config
-from test_engine import DECODERS, prompts_of_mixed_lengths, reference_greedy
-from test_speculative import chi_square
+from helpers import DECODERS, chi_square, prompts_of_mixed_lengths, reference_greedy, top2_gap
 from tformer.config import ConfigError
 from tformer.inference.engine import Engine, EngineConfig
 from tformer.inference.sampling import SamplingParams
@@ -127,16 +126,24 @@ def test_sampled_speculation_in_the_engine_follows_the_target_distribution() -> 
 
 
 def test_beam_search_and_parallel_samples_run_beside_speculation() -> None:
+    """Beams, greedy rows and parallel samples in one batch with a draft give what they give without one.
+
+    The samples take the sampling path (rejection scheme, per-sample generators, copy-on-write of both caches)
+    at a temperature so low that the target's distribution is one-hot in fp32, so they too must equal the target's
+    greedy tokens: a rejected draft token must be replaced by the target's, never by the draft's."""
     target = make_model(tiny_config("tiny-llama"))
     prompts = prompts_of_mixed_lengths(target.config.vocab_size, (5, 9))
     beams = SamplingParams(max_tokens=8, temperature=0.0, beam_width=3)
-    samples = SamplingParams(max_tokens=8, temperature=0.8, n=2, seed=3)
-    plain = Engine(target, config=EngineConfig(block_size=4, num_blocks=64))
+    samples = SamplingParams(max_tokens=8, temperature=2e-5, n=2, seed=3)
+    requests, params = [prompts[0], prompts[1], prompts[1]], [beams, GREEDY, samples]
+    plain = Engine(target, config=EngineConfig(block_size=4, num_blocks=64)).generate(requests, params)
     engine = Engine(target, config=EngineConfig(block_size=4, num_blocks=64), draft=noisy_copy(target, 0.3))
-    with_draft = engine.generate([prompts[0], prompts[1], prompts[1]], [beams, GREEDY, samples])
-    assert with_draft[0].token_ids == plain.generate(prompts[0], beams)[0].token_ids
-    assert with_draft[1].token_ids == reference_greedy(target, prompts[1], 12)
-    assert [len(c.token_ids) for c in with_draft[2:]] == [8, 8]
+    with_draft = engine.generate(requests, params)
+    greedy = reference_greedy(target, prompts[1], GREEDY.max_tokens)
+    assert top2_gap(target, prompts[1], greedy) / samples.temperature > 50  # e^-50: no second token can be drawn
+    assert [r.token_ids for r in with_draft] == [r.token_ids for r in plain]
+    assert [r.token_ids for r in with_draft[1:]] == [greedy, greedy[:8], greedy[:8]]
+    assert 0 < engine.speculative.accepted < engine.speculative.proposed  # drafts were rejected too
     assert engine.num_blocks_in_use == 0
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from conftest import make_model, tiny_config
+from helpers import greedy_within_rounding, reference_greedy
 from tformer.inference.quantize import Int4Linear, Int8Linear, W8A8Linear, model_bytes, quantize
 
 QUANTIZED = (Int8Linear, Int4Linear, W8A8Linear)
@@ -114,7 +115,6 @@ def test_bf16_activations_match_the_formula_in_float32(mode: str) -> None:
 @pytest.mark.parametrize("mode, dtype", [("int8", "float32"), ("int4", "float32"), ("int8", "bfloat16"),
                                          ("int4", "bfloat16"), ("w8a8", "float32"), ("w8a8", "bfloat16")])
 def test_engine_serves_a_quantized_model_like_its_uncached_forward(mode: str, dtype: str) -> None:
-    from test_engine import greedy_within_rounding, reference_greedy
     from tformer.inference import Engine, EngineConfig, SamplingParams
 
     model = quantize(make_model(tiny_config("tiny-llama", vocab_size=96)), mode, group_size=32)
@@ -161,7 +161,6 @@ def test_set_precision_casts_or_quantizes_and_refuses_bad_choices() -> None:
 
 def test_compiled_decode_of_a_w8a8_model_gives_the_uncached_tokens() -> None:
     """fbgemm's packed weight sits behind a custom op, so the compiled decode step stays one graph."""
-    from test_engine import reference_greedy
     from torch._dynamo.utils import counters
 
     from tformer.inference import Engine, EngineConfig, SamplingParams

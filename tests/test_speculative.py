@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import make_model, tiny_config
-from test_engine import reference_greedy
+from helpers import chi_square, reference_greedy
 from tformer.inference.sampling import RequestError, SamplingParams
 from tformer.inference.speculative import SpeculativeStats, accept_draft, speculative_generate
 
@@ -30,11 +30,6 @@ def test_a_perfect_draft_is_always_accepted() -> None:
     assert out == [reference_greedy(target, p, 12) for p in PROMPTS]
     assert stats.acceptance_rate == 1.0
     assert stats.target_calls == 3  # 12 tokens at 5 per round (4 drafts + 1 bonus)
-
-
-def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    return float(((counts - expected) ** 2 / expected).sum())
 
 
 def test_rejection_scheme_reproduces_the_target_distribution() -> None:
