@@ -34,7 +34,8 @@ def test_recipe_file_with_model_section(tmp_path):
 
 
 def test_int_is_accepted_for_float_fields():
-    assert ModelConfig(rope_theta=500000).rope_theta == 500000.0
+    value = ModelConfig(rope_theta=500000).rope_theta
+    assert type(value) is float and value == 500000.0  # 500000 == 500000.0 holds for an int too
 
 
 @pytest.mark.parametrize(

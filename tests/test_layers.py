@@ -10,7 +10,7 @@ from conftest import tiny_config
 from torch import nn
 
 from tformer.config import ATTENTION_BACKEND_NAMES, NORM_PLACEMENTS
-from tformer.layers import RESIDUALS, Attention, AttentionMask, RMSNorm, alibi_slopes, build_mask, make_ffn
+from tformer.layers import RESIDUALS, Attention, AttentionMask, alibi_slopes, build_mask, make_ffn
 from tformer.layers import make_norm, make_positions, sinusoidal_table
 from tformer.layers.positions import RotaryPositions, apply_rotary, rope_inv_freq
 
@@ -34,9 +34,12 @@ def randomize(module: nn.Module) -> nn.Module:
 
 
 @pytest.mark.parametrize("eps", [1e-6, 1e-2])
-def test_rmsnorm_matches_formula(eps: float) -> None:
-    norm = randomize(RMSNorm(16, eps=eps))
-    x = torch.randn(3, 5, 16)
+def test_rmsnorm_from_the_config_matches_formula(eps: float) -> None:
+    """RMSNorm(x) = x / sqrt(mean(x^2) + eps) * g; a LayerNorm picked by mistake would subtract the mean."""
+    config = tiny_config("tiny-llama", norm_eps=eps)
+    assert config.norm == "rmsnorm"
+    norm = randomize(make_norm(config))
+    x = torch.randn(3, 5, config.d_model) * 3 + 1
     expected = x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps) * norm.weight
     torch.testing.assert_close(norm(x), expected, atol=1e-6, rtol=1e-6)
 
@@ -48,11 +51,6 @@ def test_layernorm_matches_formula(norm_bias: bool) -> None:
     x = torch.randn(3, 5, config.d_model) * 3 + 1
     bias = norm.bias if norm_bias else None
     torch.testing.assert_close(norm(x), layer_norm(x, norm.weight, bias, 1e-3), atol=1e-5, rtol=1e-5)
-
-
-def test_rmsnorm_is_picked_by_config() -> None:
-    norm = make_norm(tiny_config("tiny-llama", norm_eps=1e-3))
-    assert isinstance(norm, RMSNorm) and norm.eps == 1e-3
 
 
 # ---- residual connections (norm placement) -----------------------------------------------------------------------
