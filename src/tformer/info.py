@@ -65,7 +65,7 @@ def model_info(config: ModelConfig, context: int | None = None, kv_dtype: str = 
     if context < 1:
         raise ConfigError(f"context must be at least 1 token, got {context}")
     with torch.device("meta"):
-        model = build_model(config)
+        model = build_model(config, initialize=False)
     head = model.mlm_head if config.family == "encoder" else model.lm_head
     encoder_flops = decoder_flops = 0
     if config.has_encoder:

@@ -28,7 +28,7 @@ from tformer.config import ConfigError, ModelConfig
 from tformer.interop.hf_decoders import GPT2, GPT2_BARE, LLAMA, MISTRAL
 from tformer.interop.hf_encoders import BART, BERT_MLM, BERT_MODEL, MARIAN
 from tformer.interop.hf_spec import COPY, SAME, Entry, Family, HFFields, Table, Transform, UnsupportedHFConfig
-from tformer.models import CheckpointError, TransformerModel, build_model
+from tformer.models import CheckpointError, TransformerModel, assign_weights, build_model
 
 CONFIG_JSON = "config.json"
 WEIGHTS = "model.safetensors"
@@ -75,7 +75,7 @@ def from_hf(path: str | Path, device: str | torch.device = "cpu") -> Transformer
     hf_config = read_hf_config(path)
     family = family_of(hf_config, path / CONFIG_JSON)
     config = config_from_hf(family, hf_config, path / CONFIG_JSON)
-    model = build_model(config)
+    model = build_model(config, initialize=False)
     with open_weights(path) as weights:
         base, head = family.tensors(config)
         table = {_base_prefix(family, base, weights.names) + name: entry for name, entry in base.items()} | head
@@ -202,15 +202,13 @@ def read_state(weights: Weights, table: Table, family: Family, model: Transforme
 
 
 def load_state(model: TransformerModel, state: dict[str, torch.Tensor], family: Family, path: Path) -> None:
-    """Copies `state` into `model`; every tensor must be set, except the second names of tied weights."""
-    every_name = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    tied_aliases = every_name - {name for name, _ in model.named_parameters()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    unset = sorted(set(missing) - tied_aliases)
-    if unset or unexpected:
+    """Makes `state` the weights of `model` (built uninitialized); every tensor must be set (tied ones once)."""
+    unset, unexpected, mismatched = assign_weights(model, state)
+    if unset or unexpected or mismatched:
         raise CheckpointError(
-            f"{path}: the {family.architecture} tables in tformer.interop left {_listed(unset)} unset and "
-            f"produced unknown {_listed(unexpected)}; this is a bug in tformer, please report it"
+            f"{path}: the {family.architecture} tables in tformer.interop left {_listed(unset)} unset, "
+            f"produced unknown {_listed(unexpected)} and misshaped {_listed(mismatched)}; this is a bug in "
+            "tformer, please report it"
         )
 
 

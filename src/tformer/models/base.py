@@ -11,17 +11,14 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, save_model
 from torch import nn
 
 from tformer.config import ModelConfig
+from tformer.errors import CheckpointError
 
 CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory is missing, incomplete or does not match its config."""
 
 
 class TransformerModel(nn.Module):
@@ -70,22 +67,27 @@ class TransformerModel(nn.Module):
 
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> TransformerModel:
-    """Loads a checkpoint directory written by `model.save`, in eval mode (call `.train()` to train on)."""
-    from tformer.models import build_model
+    """Loads a checkpoint directory written by `model.save`, in eval mode (call `.train()` to train on).
+
+    The weights stay memory-mapped from model.safetensors (no copy, no random initialization first) when they
+    load on the CPU in the dtype they were saved in.
+    """
+    from tformer.models import assign_weights, build_model
 
     path = Path(path)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (path / name).is_file():
             raise CheckpointError(f"{path} is not a tformer checkpoint: {name} is missing")
     config = ModelConfig.from_file(path / CONFIG_FILE)
-    model = build_model(config)
+    model = build_model(config, initialize=False)
     try:
-        missing, unexpected = load_model(model, str(path / WEIGHTS_FILE), strict=False, device=str(device))
+        state = load_file(str(path / WEIGHTS_FILE))
     except (SafetensorError, OSError, RuntimeError) as err:
         raise CheckpointError(f"{path / WEIGHTS_FILE}: cannot load weights: {err}") from None
-    if missing or unexpected:
+    missing, unexpected, mismatched = assign_weights(model, state)
+    if missing or unexpected or mismatched:
         raise CheckpointError(
             f"{path / WEIGHTS_FILE} does not match {CONFIG_FILE}: missing {sorted(missing)}, "
-            f"unexpected {sorted(unexpected)}"
+            f"unexpected {unexpected}, wrong shapes {mismatched}"
         )
     return model.to(device).eval()

@@ -1,0 +1,85 @@
+"""Loading builds the model without initializing it, and gives the very weights that were saved.
+
+The reference is the model that wrote the file: a tformer checkpoint, an HF directory written by `to_hf`, or a
+GGUF file written from the same weights; every tensor must come back bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tformer.models.init
+from conftest import make_model, tiny_config
+from tformer import TransformerModel, build_model, from_hf, load, to_hf
+from tformer.models import meta_tensors
+
+HF_PRESETS = ["tiny-gpt2", "tiny-llama", "tiny-bert"]
+
+
+@pytest.fixture
+def initializers_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every way a weight gets a random or constant initial value raises while the test loads."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a loader initialized weights that the file then overwrote")
+
+    for method in ("normal_", "uniform_", "fill_", "zero_", "random_", "bernoulli_"):
+        monkeypatch.setattr(torch.Tensor, method, refuse)
+    monkeypatch.setattr(tformer.models.init, "init_weights", refuse)
+    for name in tformer.models.init.INITS:
+        monkeypatch.setitem(tformer.models.init.INITS, name, refuse)
+
+
+def assert_same_weights(loaded: TransformerModel, original: TransformerModel) -> None:
+    theirs = original.state_dict()
+    ours = loaded.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
+    assert not meta_tensors(loaded)
+    # tied weights stay one tensor, counted once
+    assert loaded.num_parameters() == original.num_parameters()
+
+
+def test_the_patched_initializers_do_raise(initializers_raise: None) -> None:
+    with pytest.raises(AssertionError, match="initialized weights"):
+        build_model(tiny_config("tiny-gpt2"))
+
+
+@pytest.mark.parametrize("preset", ["encoder-decoder", "decoder", "encoder", "tiny-llama"])
+def test_checkpoint_loads_without_initializing(preset: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    original = make_model(tiny_config(preset, tie_embeddings=True))
+    original.save(tmp_path)
+    request.getfixturevalue("initializers_raise")
+    assert_same_weights(load(tmp_path), original)
+
+
+@pytest.mark.parametrize("preset", HF_PRESETS)
+def test_hf_directory_loads_without_initializing(preset: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    original = make_model(tiny_config(preset))
+    to_hf(original, tmp_path)
+    request.getfixturevalue("initializers_raise")
+    assert_same_weights(from_hf(tmp_path), original)
+
+
+def test_checkpoint_weights_stay_memory_mapped(tmp_path: Path) -> None:
+    """No copy of a float32 checkpoint: its parameters are views of model.safetensors' mapping."""
+    make_model(tiny_config("tiny-llama")).save(tmp_path)
+    loaded = load(tmp_path)
+    weight = loaded.decoder.layers[0].ffn.up_proj.weight
+    with pytest.raises(RuntimeError):  # the storage of a mapped file cannot grow; a private copy could
+        weight.untyped_storage().resize_(weight.untyped_storage().nbytes() * 2)
+
+
+def test_loaded_weights_are_trainable_and_keep_ties(tmp_path: Path) -> None:
+    original = make_model(tiny_config("decoder", tie_embeddings=True))
+    original.save(tmp_path)
+    loaded = load(tmp_path).train()
+    assert loaded.lm_head.weight is loaded.decoder.tokens.weight
+    assert all(p.requires_grad for p in loaded.parameters())
+    ids = torch.randint(1, loaded.config.vocab_size, (2, 6))
+    loaded(ids).sum().backward()
+    assert loaded.decoder.tokens.weight.grad is not None
