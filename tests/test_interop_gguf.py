@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+import tformer.models.init
 from conftest import smollm2_path
 from tformer.data.corpora import bible_db_path, clean_verse
 from tformer.interop.gguf import GGUFError, dequantize_tensor, from_gguf, open_gguf, unpermute_rope_rows
@@ -185,14 +186,60 @@ def test_q4_k_dequantizes_like_the_documented_format_and_like_transformers(tmp_p
         tensors[f"blk.{i}.ffn_down.weight"] = random_q4_k(TINY["hidden_size"], TINY["intermediate_size"], rng)
     path = write_gguf(tmp_path / "q4k.gguf", tensors, llama_metadata(model), Q.Q8_0,
                       types={f"blk.{i}.ffn_down.weight": Q.Q4_K for i in range(2)})
-    tensor = next(t for t in open_gguf(path).tensors if t.name == "blk.0.ffn_down.weight")
+    reader = open_gguf(path)
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
     assert tensor.tensor_type == Q.Q4_K
-    ours = dequantize_tensor(tensor, path)
+    ours = dequantize_tensor(reader, tensor)
     raw = tensors["blk.0.ffn_down.weight"]
     for row, block in [(0, 0), (37, 0), (63, 0)]:
         expected = torch.tensor(q4_k_block_by_hand(raw[row, block * 144:(block + 1) * 144].tobytes()))
         torch.testing.assert_close(ours[row, block * 256:(block + 1) * 256], expected, rtol=1e-6, atol=1e-7)
     assert max_logit_difference(from_gguf(path), hf_from_gguf(path), IDS) <= 1e-4
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_reader_matches_the_gguf_package_bit_for_bit(qtype: Q, tmp_path: Path) -> None:
+    """tformer's GGUF reader against the `gguf` package's: every metadata value and every dequantized tensor."""
+    model = tiny_hf_model()
+    path = write_gguf(tmp_path / f"tiny-{qtype.name}.gguf", gguf_tensors(model), llama_metadata(model), qtype)
+    theirs, ours = gguf.GGUFReader(path), open_gguf(path)
+    assert ours.fields == {name: field.contents() for name, field in theirs.fields.items()
+                           if not name.startswith("GGUF.")}
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors):
+        expected = gguf.quants.dequantize(reference.data, reference.tensor_type).astype(np.float32)
+        got = dequantize_tensor(ours, mine)
+        assert got.dtype == torch.float32 and tuple(got.shape) == expected.shape
+        assert torch.equal(got, torch.from_numpy(expected)), mine.name
+
+
+def test_smollm2_weights_match_the_gguf_package_bit_for_bit() -> None:
+    """Q4_1, Q8_0 and F32 tensors of the shipped file, as `gguf.quants` dequantizes them (some of each type)."""
+    path = smollm2_path()
+    theirs, ours = {t.name: t for t in gguf.GGUFReader(path).tensors}, open_gguf(path)
+    checked = set()
+    for tensor in ours.tensors:
+        if tensor.tensor_type in checked and not tensor.name.startswith("blk.29."):
+            continue
+        reference = theirs[tensor.name]
+        expected = gguf.quants.dequantize(reference.data, reference.tensor_type).astype(np.float32)
+        assert torch.equal(dequantize_tensor(ours, tensor), torch.from_numpy(expected)), tensor.name
+        checked.add(tensor.tensor_type)
+    assert checked == {Q.Q4_1, Q.Q8_0, Q.F32}
+
+
+def test_gguf_loads_without_initializing_any_weight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_gguf(tmp_path / "tiny.gguf", gguf_tensors(tiny_hf_model()), llama_metadata(tiny_hf_model()), Q.Q4_1)
+    expected = from_gguf(path).state_dict()
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("from_gguf initialized weights that the file then overwrote")
+
+    for method in ("normal_", "uniform_", "fill_", "zero_"):
+        monkeypatch.setattr(torch.Tensor, method, refuse)
+    monkeypatch.setattr(tformer.models.init, "init_weights", refuse)
+    loaded = from_gguf(path).state_dict()
+    assert all(torch.equal(loaded[name], value) for name, value in expected.items())
 
 
 def test_unpermute_inverts_llama_cpp_permutation_for_q_and_gqa_k() -> None:

@@ -1,7 +1,7 @@
 """Load LLaMA-architecture GGUF files (llama.cpp's format) into a tformer `DecoderLM`.
 
 A GGUF file is a header of typed key/value metadata, a table of tensor descriptions and the tensor bytes,
-which are memory-mapped and dequantized with the `gguf` package. Three things differ from a PyTorch state dict:
+which are memory-mapped and dequantized (`gguf_file`). Three things differ from a PyTorch state dict:
 
 - A tensor's shape is listed innermost dimension first (ggml's ne[0] is the row length), so a (out, in)
   weight is described as [in, out].
@@ -19,15 +19,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType
 
 from tformer.config import ConfigError, ModelConfig
-from tformer.models import CheckpointError, DecoderLM, build_model
-
-GGUF_MAGIC = b"GGUF"
+from tformer.interop.gguf_file import GGUF_MAGIC, GGUFFile, Malformed, TensorInfo, Truncated
+from tformer.models import CheckpointError, DecoderLM, assign_weights, build_model
 SUPPORTED_ARCHITECTURES = ("llama",)
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K)
@@ -90,27 +87,7 @@ class GGUFError(CheckpointError):
     """A GGUF file is not GGUF, is truncated or corrupt, or holds something this loader does not support."""
 
 
-class _TruncatedRead(Exception):
-    def __init__(self, start: int, end: int) -> None:
-        super().__init__(start, end)
-        self.start, self.end = start, end
-
-
-class _CheckedReader(GGUFReader):
-    """GGUFReader that refuses to read past the end of the file instead of returning a short array."""
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        count = int(count)
-        try:
-            values = super()._get(offset, dtype, count, override_order)
-        except ValueError:  # the tail of the file is not a whole number of items
-            values = None
-        if values is None or values.shape[0] != count:
-            raise _TruncatedRead(int(offset), int(offset) + np.dtype(dtype).itemsize * count)
-        return values
-
-
-def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """A reader for the GGUF file at `path` (memory-mapped), or a GGUFError saying what is wrong with it."""
     path = Path(path)
     if not path.is_file():
@@ -121,24 +98,22 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path} is not a GGUF file: it starts with {magic!r}, not the magic {GGUF_MAGIC!r}")
     try:
-        reader = _CheckedReader(path)
-    except _TruncatedRead as err:
+        return GGUFFile(path)
+    except Truncated as err:
         raise GGUFError(
             f"{path} is truncated: reading bytes {err.start}..{err.end} of a {size}-byte file; "
             "the download or copy was probably cut short, fetch the file again"
         ) from None
-    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as err:
+    except (Malformed, ValueError, OverflowError) as err:
         raise GGUFError(f"{path}: corrupt or unsupported GGUF header: {err}") from None
-    return reader
 
 
-def metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def metadata(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """The value of metadata `key` (a number, string, bool or list), or `default` when absent."""
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
+    return reader.get(key, default)
 
 
-def architecture(reader: GGUFReader, path: str | os.PathLike[str]) -> str:
+def architecture(reader: GGUFFile, path: str | os.PathLike[str]) -> str:
     """`general.architecture`, checked against the architectures this loader supports."""
     arch = metadata(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -148,10 +123,10 @@ def architecture(reader: GGUFReader, path: str | os.PathLike[str]) -> str:
     return arch
 
 
-def config_from_gguf(reader: GGUFReader, path: str | os.PathLike[str]) -> ModelConfig:
+def config_from_gguf(reader: GGUFFile, path: str | os.PathLike[str]) -> ModelConfig:
     """The ModelConfig that the file's metadata and tensor list describe."""
     arch = architecture(reader, path)
-    missing = [f"{arch}.{key}" for key in REQUIRED_METADATA if reader.get_field(f"{arch}.{key}") is None]
+    missing = [f"{arch}.{key}" for key in REQUIRED_METADATA if reader.get(f"{arch}.{key}") is None]
     if missing:
         raise GGUFError(f"{path}: metadata {', '.join(missing)} missing; the file is incomplete")
     fields = dict(LLAMA_FIELDS)
@@ -177,12 +152,12 @@ def config_from_gguf(reader: GGUFReader, path: str | os.PathLike[str]) -> ModelC
     return config
 
 
-def _token_count(reader: GGUFReader) -> int | None:
-    field = reader.get_field("tokenizer.ggml.tokens")
-    return None if field is None else len(field.data)
+def _token_count(reader: GGUFFile) -> int | None:
+    tokens = reader.get("tokenizer.ggml.tokens")
+    return None if tokens is None else len(tokens)
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+def _rope_scaling(reader: GGUFFile, arch: str, path: str | os.PathLike[str]) -> dict[str, Any]:
     kind = metadata(reader, f"{arch}.rope.scaling.type")
     if kind is None and (linear := metadata(reader, f"{arch}.rope.scale_linear")) is not None:
         return {"rope_scaling": "linear", "rope_factor": linear}  # older files
@@ -210,19 +185,15 @@ def tensor_names(config: ModelConfig) -> dict[str, str]:
     return names
 
 
-def dequantize_tensor(tensor: Any, path: str | os.PathLike[str]) -> torch.Tensor:
-    """One ReaderTensor as float32, in PyTorch's dimension order (outermost first)."""
+def dequantize_tensor(reader: GGUFFile, tensor: TensorInfo) -> torch.Tensor:
+    """One tensor as float32, in PyTorch's dimension order (outermost first)."""
     if tensor.tensor_type not in SUPPORTED_TYPES:
         supported = ", ".join(t.name for t in SUPPORTED_TYPES)
         raise GGUFError(
-            f"{path}: unsupported quantization type {tensor.tensor_type.name} for {tensor.name}; "
+            f"{reader.path}: unsupported quantization type {tensor.tensor_type.name} for {tensor.name}; "
             f"supported: {supported}; re-quantize the model to one of these"
         )
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the innermost dimension first
-    values = dequantize(tensor.data, tensor.tensor_type)
-    if values.size != int(np.prod(shape)):
-        raise GGUFError(f"{path}: {tensor.name} holds {values.size} values, but its shape {list(shape)} needs more")
-    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+    return reader.dequantize(tensor)
 
 
 def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -237,7 +208,7 @@ def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return per_pair.transpose(1, 2).reshape(rows, cols)  # (H, half, pair, in) -> (H * head_dim, in)
 
 
-def _check_tensor_list(reader: GGUFReader, names: dict[str, str], path: str | os.PathLike[str]) -> None:
+def _check_tensor_list(reader: GGUFFile, names: dict[str, str], path: str | os.PathLike[str]) -> None:
     present = {t.name for t in reader.tensors}
     for name, feature in UNSUPPORTED_TENSORS.items():
         if name in present:
@@ -254,31 +225,35 @@ def _check_tensor_list(reader: GGUFReader, names: dict[str, str], path: str | os
         raise GGUFError(f"{path}: unexpected tensors {unexpected[:5]}: this is not a plain LLaMA model")
 
 
-def from_gguf(path: str | os.PathLike[str]) -> DecoderLM:
-    """A tformer DecoderLM (float32, on the CPU, in eval mode) with the weights of a LLaMA GGUF file."""
-    reader = open_gguf(path)
+def from_gguf(path: str | os.PathLike[str], reader: GGUFFile | None = None) -> DecoderLM:
+    """A tformer DecoderLM (float32, on the CPU, in eval mode) with the weights of a LLaMA GGUF file.
+
+    The model is built without initializing its weights; each is dequantized straight into place.
+    """
+    reader = reader or open_gguf(path)
     config = config_from_gguf(reader, path)
     names = tensor_names(config)
     _check_tensor_list(reader, names, path)
-    model = build_model(config)
-    if set(names.values()) != set(dict(model.named_parameters())):
+    model = build_model(config, initialize=False)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if set(names.values()) != set(shapes):
         raise RuntimeError("tformer's LLaMA parameters changed; update tformer.interop.gguf.LAYER_TENSORS")
     by_name = {t.name: t for t in reader.tensors}
-    with torch.no_grad():
-        for gguf_name, ours in names.items():
-            param = model.get_parameter(ours)
-            param.copy_(_read_weight(by_name[gguf_name], config, tuple(param.shape), ours, path))
+    state = {ours: _read_weight(reader, by_name[gguf], config, shapes[ours], ours) for gguf, ours in names.items()}
+    missing, unexpected, mismatched = assign_weights(model, state)
+    if missing or unexpected or mismatched:
+        raise RuntimeError(f"GGUF tensors left {missing} unset, {unexpected} unknown, {mismatched} misshaped")
     return model.eval()
 
 
 def _read_weight(
-    tensor: Any, config: ModelConfig, shape: tuple[int, ...], ours: str, path: str | os.PathLike[str]
+    reader: GGUFFile, tensor: TensorInfo, config: ModelConfig, shape: tuple[int, ...], ours: str
 ) -> torch.Tensor:
-    value = dequantize_tensor(tensor, path)
-    if tuple(value.shape) != shape:
+    if tensor.torch_shape != shape:
         raise GGUFError(
-            f"{path}: {tensor.name} has shape {list(value.shape)}, but the metadata imply {list(shape)} "
-            f"for {ours}; the file's metadata and tensors disagree"
+            f"{reader.path}: {tensor.name} has shape {list(tensor.torch_shape)}, but the metadata imply "
+            f"{list(shape)} for {ours}; the file's metadata and tensors disagree"
         )
+    value = dequantize_tensor(reader, tensor)
     heads_field = ROPE_PERMUTED.get(tensor.name.split(".", 2)[-1]) if tensor.name.startswith("blk.") else None
     return value if heads_field is None else unpermute_rope_rows(value, getattr(config, heads_field))

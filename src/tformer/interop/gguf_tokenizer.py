@@ -12,12 +12,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from tformer.data.tokenizer import Tokenizer
 from tformer.interop.gguf import GGUFError, metadata, open_gguf
+from tformer.interop.gguf_file import GGUFFile
 
 # GPT-2's word split: contractions, letters, numbers, other symbols, each with at most one leading space
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -38,9 +38,9 @@ SPECIAL_ID_KEYS: dict[str, str] = {
 SPACE = "\u2581"  # SentencePiece's visible space
 
 
-def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
+def tokenizer_from_gguf(path: str | os.PathLike[str], reader: GGUFFile | None = None) -> Tokenizer:
     """The tokenizer of a GGUF file: vocabulary, merges or scores, special tokens, add_bos and chat template."""
-    reader = open_gguf(path)
+    reader = reader or open_gguf(path)
     kind = metadata(reader, "tokenizer.ggml.model")
     if kind not in TOKENIZER_BUILDERS:
         raise GGUFError(
@@ -60,7 +60,7 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
     return Tokenizer(backend, specials, add_bos=add_bos, chat_template=template)
 
 
-def _byte_level_bpe(reader: GGUFReader, tokens: list[str], types: list[int], path: Any) -> HFTokenizer:
+def _byte_level_bpe(reader: GGUFFile, tokens: list[str], types: list[int], path: Any) -> HFTokenizer:
     """GPT-2-style byte-level BPE: tokens are spelled in GPT-2's byte alphabet, merges are "left right"."""
     pre = metadata(reader, "tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZER_SPLITS:
@@ -81,7 +81,7 @@ def _byte_level_bpe(reader: GGUFReader, tokens: list[str], types: list[int], pat
     return backend
 
 
-def _sentencepiece_bpe(reader: GGUFReader, tokens: list[str], types: list[int], path: Any) -> HFTokenizer:
+def _sentencepiece_bpe(reader: GGUFFile, tokens: list[str], types: list[int], path: Any) -> HFTokenizer:
     """SentencePiece BPE (LLaMA 1/2): merges rebuilt from the scores, byte fallback through <0xXX> tokens."""
     scores = metadata(reader, "tokenizer.ggml.scores")
     if scores is None:
@@ -126,5 +126,5 @@ def _add_special_tokens(backend: HFTokenizer, tokens: list[str], types: list[int
     backend.add_tokens(user)
 
 
-Builder = Callable[[GGUFReader, list[str], list[int], Any], HFTokenizer]
+Builder = Callable[[GGUFFile, list[str], list[int], Any], HFTokenizer]
 TOKENIZER_BUILDERS: dict[str, Builder] = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from tformer.data.tokenizer import Tokenizer
-from tformer.interop.gguf import GGUF_MAGIC, from_gguf
+from tformer.interop.gguf import GGUF_MAGIC, from_gguf, open_gguf
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.interop.hf import from_hf
 from tformer.models import CONFIG_FILE, CheckpointError, TransformerModel, load
@@ -25,7 +25,8 @@ def load_pretrained(path: str | os.PathLike[str]) -> tuple[TransformerModel, Tok
         with open(path, "rb") as handle:
             if handle.read(4) != GGUF_MAGIC:
                 raise CheckpointError(f"{path} is not a GGUF file; pass a .gguf file or a model directory")
-        return from_gguf(path), tokenizer_from_gguf(path)
+        reader = open_gguf(path)
+        return from_gguf(path, reader), tokenizer_from_gguf(path, reader)
     if not path.is_dir():
         raise CheckpointError(f"{path} does not exist; pass a .gguf file or a model directory")
     tokenizer = Tokenizer.load(path) if (path / TOKENIZER_FILE).is_file() else None
