@@ -15,12 +15,8 @@ import typing
 from collections.abc import Callable
 from pathlib import Path
 
-from tformer.config import ConfigError, ModelConfig
-from tformer.data import DataError
-from tformer.inference import RequestError
-from tformer.models import CheckpointError
-from tformer.training.distributed import DistributedFailure
-from tformer.training.trainer import TrainingDiverged
+from tformer.config import ModelConfig
+from tformer.errors import CheckpointError, ConfigError, TformerError
 
 
 def info(model: str, context: int | None = None, dtype: str = "fp16") -> None:
@@ -149,7 +145,7 @@ def generate(
     speculative_tokens: draft tokens per decode step, with a draft model
     """
     from tformer.inference import EngineConfig, SamplingParams
-    from tformer.serve.server import load_engine
+    from tformer.serve.loading import load_engine
 
     config = EngineConfig(compile=compile, num_speculative_tokens=speculative_tokens)
     engine = load_engine(model, config, quantize, dtype, draft_model, draft_quantize)
@@ -289,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         command(**args)
-    except (ConfigError, CheckpointError, DataError, TrainingDiverged, RequestError, DistributedFailure) as err:
+    except TformerError as err:
         print(f"tformer: error: {err}", file=sys.stderr)
         code = 2
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

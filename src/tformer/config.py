@@ -13,6 +13,8 @@ from typing import Any, Self
 
 import yaml
 
+from tformer.errors import ConfigError
+
 FAMILIES = ("encoder-decoder", "decoder", "encoder")
 POSITION_NAMES = ("sinusoidal", "learned", "rope", "alibi", "none")
 SINUSOIDAL_LAYOUT_NAMES = ("interleaved", "split")
@@ -23,10 +25,6 @@ NORM_PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 ATTENTION_BACKEND_NAMES = ("sdpa", "math")
 INIT_NAMES = ("xavier", "gpt2", "normal")
 ENCODER_HEAD_NAMES = ("mlm", "none")
-
-
-class ConfigError(ValueError):
-    """A config value is invalid; the message says which one and how to fix it."""
 
 
 class ConfigBase:

@@ -15,14 +15,12 @@ import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 
+from tformer.errors import DataError
+
 PathLike = str | os.PathLike[str]
 Pair = tuple[str, str]
 
 _WHITESPACE = re.compile(r"\s+")
-
-
-class DataError(ValueError):
-    """Input data the user supplied (or the embedded corpus) cannot be read; the message says how to fix it."""
 
 
 def normalize_text(text: str) -> str:

@@ -11,12 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tformer.errors import RequestError
+
 
 GREEDY_TEMPERATURE = 1e-5
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve (bad sampling parameters, a prompt that does not fit, ...)."""
 
 
 @dataclass

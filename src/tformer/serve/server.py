@@ -13,12 +13,10 @@ from pathlib import Path
 
 import uvicorn
 
-from tformer.config import ConfigError
-from tformer.inference import Engine, EngineConfig
-from tformer.inference.quantize import check_precision, set_precision
-from tformer.interop.loading import load_pretrained
+from tformer.inference import EngineConfig
 from tformer.serve.app import create_app
 from tformer.serve.async_engine import AsyncEngine
+from tformer.serve.loading import load_engine
 
 API_KEY_ENV = "TFORMER_API_KEY"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -29,31 +27,6 @@ def default_model_name(path: str | os.PathLike[str]) -> str:
     """The id clients pass as `model`: the file name without .gguf, or the directory's name."""
     path = Path(path).resolve()
     return path.stem if path.suffix == ".gguf" else path.name
-
-
-def load_engine(
-    model: str | os.PathLike[str],
-    engine_config: EngineConfig | None = None,
-    quantize: str | None = None,
-    dtype: str = "auto",
-    draft_model: str | os.PathLike[str] | None = None,
-    draft_quantize: str | None = None,
-) -> Engine:
-    """An engine for `model` (a .gguf file, a tformer checkpoint or a Hugging Face directory) in `dtype`,
-    optionally with its linear layers quantized ('int8', 'int4' or 'w8a8'; see `set_precision`), and with a draft
-    model for speculative decoding when `draft_model` names one (it may be the same file, quantized)."""
-    check_precision(dtype, quantize)  # before the (slow) loads
-    check_precision(dtype, draft_quantize)
-    if draft_quantize is not None and draft_model is None:
-        raise ConfigError("a draft quantization needs a draft model (--draft-model); name the served model itself "
-                          "to draft with a quantized copy of it")
-    net, tokenizer = load_pretrained(model)
-    set_precision(net, dtype, quantize)
-    draft = None
-    if draft_model is not None:
-        draft, _ = load_pretrained(draft_model)
-        set_precision(draft, dtype, draft_quantize)
-    return Engine(net, tokenizer, engine_config, draft=draft)
 
 
 def run_server(

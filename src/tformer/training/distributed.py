@@ -38,16 +38,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from tformer.config import ConfigError
+from tformer.errors import DistributedFailure
 from tformer.layers.attention import Attention
 from tformer.layers.block import Block
 from tformer.layers.ffn import MLP, GatedMLP
 from tformer.training.config import TrainConfig
 
 FSDP_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # None: FSDP keeps the parameters' own dtype
-
-
-class DistributedFailure(RuntimeError):
-    """A collective failed or timed out: another rank died, hung or was stopped."""
 
 
 @dataclass

@@ -28,6 +28,7 @@ from safetensors.torch import load_model
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import OBJECTIVES, Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab, causal_lm
+from tformer.errors import TrainingDiverged
 from tformer.models import WEIGHTS_FILE, CheckpointError, TransformerModel, build_model
 from tformer.training.checkpoint import (
     begin_checkpoint,
@@ -58,10 +59,6 @@ from tformer.training.optim import adamw_cosine, paper_adam
 from tformer.training.progress import Progress
 from tformer.training.sharded import SHARDED_DIR, load_sharded, save_sharded
 from tformer.viz import plot_training_curves
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or gradient became NaN or infinite; the last good checkpoint is kept."""
 
 
 def seed_dropout(seed: int, step: int, rank: int = 0) -> None:
