@@ -35,10 +35,38 @@ def test_errors_are_one_clear_line_and_exit_2(tmp_path, capsys):
 
 
 def test_every_command_has_help():
+    from tformer.cli import COMMANDS
+
     result = run_cli("--help")
-    assert result.returncode == 0 and "info" in result.stdout
+    assert result.returncode == 0
+    assert all(name in result.stdout for name in COMMANDS)
+    for name, command in COMMANDS.items():
+        result = run_cli(name, "--help")
+        summary = command.__doc__.splitlines()[0]
+        assert result.returncode == 0 and summary[:40] in " ".join(result.stdout.split()), name
     result = run_cli("info", "--help")
-    assert result.returncode == 0 and "--context" in result.stdout and "KV-cache element type" in result.stdout
+    assert "--context" in result.stdout and "KV-cache element type" in result.stdout
+
+
+# modules a command that does not train, plot, score or serve must not pay for at start-up
+HEAVY_MODULES = ("tformer.training", "tformer.serve.app", "matplotlib", "sacrebleu", "fastapi", "uvicorn",
+                 "torch.distributed.checkpoint")
+
+
+def modules_after(code: str, names: tuple[str, ...] = HEAVY_MODULES) -> set[str]:
+    """Which of `names` a fresh interpreter has loaded after running `code`."""
+    probe = f"import sys\n{code}\nprint('loaded:', *(m for m in {names!r} if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return set(result.stdout.splitlines()[-1].split()[1:])
+
+
+def test_commands_import_only_what_they_need():
+    assert modules_after("import tformer.cli", ("torch", *HEAVY_MODULES)) == set()
+    assert modules_after("import tformer.cli; tformer.cli.main(['info', 'gpt2'])") == set()
+    # the probe sees a heavy module when a command does load it
+    viz = "import tformer.cli; tformer.cli.main(['viz', 'positions', 'tiny-transformer', '--out', '/dev/null'])"
+    assert modules_after(viz, ("matplotlib", "torch")) == {"matplotlib", "torch"}
 
 
 def test_generate_streams_what_the_engine_generates(tmp_path, capsys):
