@@ -83,3 +83,29 @@ def test_loaded_weights_are_trainable_and_keep_ties(tmp_path: Path) -> None:
     ids = torch.randint(1, loaded.config.vocab_size, (2, 6))
     loaded(ids).sum().backward()
     assert loaded.decoder.tokens.weight.grad is not None
+
+
+def test_int4_from_q4_1_keeps_the_files_values_and_serves_like_requantizing() -> None:
+    """INT4 straight from SmolLM2's Q4_1 blocks: each layer's weight is the file's, and the logits match the
+    float load quantized afterwards, which finds the same groups here (measured: equal, max |delta| 0.0)."""
+    from conftest import smollm2_path
+    from tformer.inference.quantize import Int4Linear, set_precision
+    from tformer.interop.gguf import dequantize_tensor, open_gguf
+    from tformer.interop.loading import load_pretrained
+    from tformer.serve.loading import load_quantized
+
+    path = smollm2_path()
+    direct, tokenizer = load_quantized(path, "int4")
+    layer = direct.decoder.layers[7]
+    assert isinstance(layer.self_attn.q_proj, Int4Linear) and isinstance(layer.ffn.down_proj, Int4Linear)
+    reader = open_gguf(path)
+    down = next(t for t in reader.tensors if t.name == "blk.7.ffn_down.weight")
+    expected = dequantize_tensor(reader, down)
+    torch.testing.assert_close(layer.ffn.down_proj.dequantized(), expected, rtol=0, atol=1e-6)
+    requantized, _ = load_pretrained(path)
+    ids = torch.tensor([tokenizer.encode("In the beginning was the Word, and the Word was with God.")])
+    with torch.no_grad():
+        ours = set_precision(direct, "bfloat16", "int4")(ids).float()
+        theirs = set_precision(requantized, "bfloat16", "int4")(ids).float()
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    assert (ours - theirs).abs().max() <= 1e-2

@@ -77,12 +77,28 @@ class Int4Linear(nn.Module):
         groups = linear.weight.detach().float().view(out_f, in_f // group_size, group_size)
         low, high = groups.amin(-1), groups.amax(-1)
         scales = ((high - low) / 15).clamp(min=1e-6)
-        zeros = low + 8 * scales
         q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.view(out_f, in_f), 1))
+        self._pack(q.view(out_f, in_f), scales, low, linear.bias)
+
+    @classmethod
+    def from_groups(cls, q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> Int4Linear:
+        """A layer from weights already quantized to w = q * scale + minimum, q in [0, 15], in groups along the
+        input dimension: q (out, in), scales and minimums (out, in / group_size). llama.cpp's Q4_1 blocks are
+        exactly this with groups of 32, so a Q4_1 GGUF file becomes INT4 without a round trip through float."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._pack(q.to(torch.int32), scales.float(), minimums.float(), bias)
+        return layer
+
+    def _pack(self, q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Packs q (out, in) for the CPU kernel beside its (groups, out, 2) scales and zero points."""
+        out_f, in_f = q.shape
+        zeros = minimums + 8 * scales  # the kernel computes (q - 8) * scale + zero
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
         self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], -1).transpose(0, 1).contiguous())
-        self.bias = linear.bias
-        self.group_size, self.in_features, self.out_features = group_size, in_f, out_f
+        self.bias = bias
+        self.group_size, self.in_features, self.out_features = in_f // scales.shape[1], in_f, out_f
 
     def dequantized(self) -> torch.Tensor:
         """The weight the packed kernel multiplies by, read back through the kernel itself: I W^T = W^T."""

@@ -16,6 +16,7 @@ Nothing is ever unpickled. Foreign tensor names (`blk.N.attn_q.weight`, ...) app
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from tformer.config import ConfigError, ModelConfig
-from tformer.interop.gguf_file import GGUF_MAGIC, GGUFFile, Malformed, TensorInfo, Truncated
+from tformer.interop.gguf_file import GGUF_MAGIC, GGUFFile, Malformed, TensorInfo, Truncated, q4_1_groups
 from tformer.models import CheckpointError, DecoderLM, assign_weights, build_model
 SUPPORTED_ARCHITECTURES = ("llama",)
 Q = GGMLQuantizationType
@@ -85,6 +86,15 @@ ROPE_SCALING_TYPES: dict[str, str] = {"none": "none", "linear": "linear", "yarn"
 
 class GGUFError(CheckpointError):
     """A GGUF file is not GGUF, is truncated or corrupt, or holds something this loader does not support."""
+
+
+def is_gguf(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a file that starts with the GGUF magic."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
@@ -225,10 +235,13 @@ def _check_tensor_list(reader: GGUFFile, names: dict[str, str], path: str | os.P
         raise GGUFError(f"{path}: unexpected tensors {unexpected[:5]}: this is not a plain LLaMA model")
 
 
-def from_gguf(path: str | os.PathLike[str], reader: GGUFFile | None = None) -> DecoderLM:
+def from_gguf(
+    path: str | os.PathLike[str], reader: GGUFFile | None = None, leave_out: Collection[str] = ()
+) -> DecoderLM:
     """A tformer DecoderLM (float32, on the CPU, in eval mode) with the weights of a LLaMA GGUF file.
 
-    The model is built without initializing its weights; each is dequantized straight into place.
+    The model is built without initializing its weights; each is dequantized straight into place. Parameters
+    named in `leave_out` stay on the meta device, for a caller that replaces their modules (`q4_1_linears`).
     """
     reader = reader or open_gguf(path)
     config = config_from_gguf(reader, path)
@@ -239,11 +252,33 @@ def from_gguf(path: str | os.PathLike[str], reader: GGUFFile | None = None) -> D
     if set(names.values()) != set(shapes):
         raise RuntimeError("tformer's LLaMA parameters changed; update tformer.interop.gguf.LAYER_TENSORS")
     by_name = {t.name: t for t in reader.tensors}
-    state = {ours: _read_weight(reader, by_name[gguf], config, shapes[ours], ours) for gguf, ours in names.items()}
+    state = {
+        ours: _read_weight(reader, by_name[gguf], config, shapes[ours], ours)
+        for gguf, ours in names.items()
+        if ours not in leave_out
+    }
     missing, unexpected, mismatched = assign_weights(model, state)
-    if missing or unexpected or mismatched:
+    if set(missing) - set(leave_out) or unexpected or mismatched:
         raise RuntimeError(f"GGUF tensors left {missing} unset, {unexpected} unknown, {mismatched} misshaped")
     return model.eval()
+
+
+def q4_1_linears(reader: GGUFFile) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """tformer parameter name -> (q, scales, minimums) of each layer's linear weight the file stores as Q4_1,
+    with llama.cpp's q/k row permutation undone: what an INT4 layer takes without a round trip through float.
+    The output head is left out: INT4 serving gives it 8 bits (`tformer.inference.quantize.quantize`)."""
+    config = config_from_gguf(reader, reader.path)
+    names = tensor_names(config)
+    groups = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type != Q.Q4_1 or not tensor.name.startswith("blk.") or tensor.name not in names:
+            continue
+        parts = q4_1_groups(reader.raw(tensor), tensor.torch_shape)
+        heads_field = ROPE_PERMUTED.get(tensor.name.split(".", 2)[-1])
+        if heads_field is not None:
+            parts = tuple(unpermute_rope_rows(part, getattr(config, heads_field)) for part in parts)
+        groups[names[tensor.name]] = parts
+    return groups
 
 
 def _read_weight(

@@ -157,6 +157,15 @@ class GGUFFile:
         return values.reshape(tensor.torch_shape)
 
 
+def q4_1_groups(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 bytes as they are: q (rows, cols) uint8 in [0, 15], and each block's scale d and minimum m as float32
+    (rows, cols / 32), with w = d * q + m."""
+    blocks = raw.view(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q4_1][1])
+    rows, cols = shape
+    q = _nibbles(blocks[:, 4:]).reshape(rows, cols)
+    return q, _f16(blocks, 0).reshape(rows, -1), _f16(blocks, 2).reshape(rows, -1)
+
+
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """Each block's float16 at byte `start`, as float32 of shape (n_blocks, 1)."""
     return blocks[:, start : start + 2].contiguous().view(torch.float16).float()

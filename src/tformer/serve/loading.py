@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import os
 
+from tformer.data.tokenizer import Tokenizer
 from tformer.errors import ConfigError
 from tformer.inference import Engine, EngineConfig
-from tformer.inference.quantize import check_precision, set_precision
+from tformer.inference.quantize import Int4Linear, check_precision, set_precision
+from tformer.interop.gguf import from_gguf, is_gguf, open_gguf, q4_1_linears
+from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.interop.loading import load_pretrained
+from tformer.models import TransformerModel
 
 
 def load_engine(
@@ -29,10 +33,25 @@ def load_engine(
     if draft_quantize is not None and draft_model is None:
         raise ConfigError("a draft quantization needs a draft model (--draft-model); name the served model itself "
                           "to draft with a quantized copy of it")
-    net, tokenizer = load_pretrained(model)
+    net, tokenizer = load_quantized(model, quantize)
     set_precision(net, dtype, quantize)
     draft = None
     if draft_model is not None:
-        draft, _ = load_pretrained(draft_model)
+        draft, _ = load_quantized(draft_model, draft_quantize)
         set_precision(draft, dtype, draft_quantize)
     return Engine(net, tokenizer, engine_config, draft=draft)
+
+
+def load_quantized(path: str | os.PathLike[str], quantize: str | None) -> tuple[TransformerModel, Tokenizer | None]:
+    """`load_pretrained`, except that INT4 from a GGUF file takes its Q4_1 blocks as they are: those layers become
+    `Int4Linear`s directly, with no float copy made and no second rounding (`set_precision` does the rest).
+    Layers whose output size the INT4 kernel cannot take (a multiple of 16) load as floats and quantize later."""
+    if quantize != "int4" or not is_gguf(path):
+        return load_pretrained(path)
+    reader = open_gguf(path)
+    groups = {name: parts for name, parts in q4_1_linears(reader).items() if parts[0].shape[0] % 16 == 0}
+    net = from_gguf(path, reader, leave_out=groups.keys())
+    for name, (q, scales, minimums) in groups.items():
+        parent, _, child = name.removesuffix(".weight").rpartition(".")
+        setattr(net.get_submodule(parent), child, Int4Linear.from_groups(q, scales, minimums))
+    return net, tokenizer_from_gguf(path, reader)
