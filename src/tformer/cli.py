@@ -114,6 +114,14 @@ def viz(kind: str, target: str, *, out: str, length: int = 100) -> None:
     print(f"wrote {out}")
 
 
+def _keep_compiled_kernels() -> None:
+    """Points torch.compile's caches (FX graphs, kernels) at the user's cache directory instead of /tmp, so that
+    a later `--compile` run, after a reboot too, reuses what the first one compiled; $XDG_CACHE_HOME and an
+    explicit $TORCHINDUCTOR_CACHE_DIR are respected."""
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_home / "tformer" / "inductor"))
+
+
 def generate(
     prompts: list[str],
     *,
@@ -147,6 +155,8 @@ def generate(
     from tformer.inference import EngineConfig, SamplingParams
     from tformer.serve.loading import load_engine
 
+    if compile:
+        _keep_compiled_kernels()
     config = EngineConfig(compile=compile, num_speculative_tokens=speculative_tokens)
     engine = load_engine(model, config, quantize, dtype, draft_model, draft_quantize)
     tokenizer = engine.tokenizer
@@ -188,6 +198,8 @@ def serve(
     from tformer.inference import EngineConfig
     from tformer.serve import run_server
 
+    if compile:
+        _keep_compiled_kernels()
     config = EngineConfig(max_model_len=max_model_len, max_seqs=max_seqs, max_batched_tokens=max_batched_tokens,
                           kv_cache_bytes=kv_cache_mb << 20, compile=compile, num_speculative_tokens=speculative_tokens)
     run_server(model, host=host, port=port, api_key=api_key, model_name=model_name, engine_config=config,
