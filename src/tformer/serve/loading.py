@@ -9,7 +9,7 @@ import os
 
 from tformer.data.tokenizer import Tokenizer
 from tformer.errors import ConfigError
-from tformer.inference import Engine, EngineConfig
+from tformer.inference import Engine, EngineConfig, SamplingParams
 from tformer.inference.quantize import Int4Linear, check_precision, set_precision
 from tformer.interop.gguf import from_gguf, is_gguf, open_gguf, q4_1_linears
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
@@ -55,3 +55,11 @@ def load_quantized(path: str | os.PathLike[str], quantize: str | None) -> tuple[
         parent, _, child = name.removesuffix(".weight").rpartition(".")
         setattr(net.get_submodule(parent), child, Int4Linear.from_groups(q, scales, minimums))
     return net, tokenizer_from_gguf(path, reader)
+
+
+def warm_up(engine: Engine) -> None:
+    """Runs one single request and then two together, so that a compiled engine compiles its batch-1 and its
+    batched decode step now rather than on its first clients' time (torch.compile caches both on disk)."""
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    engine.generate([[1, 2, 3]], params)
+    engine.generate([[1, 2, 3], [4, 5]], params)

@@ -16,7 +16,7 @@ import uvicorn
 from tformer.inference import EngineConfig
 from tformer.serve.app import create_app
 from tformer.serve.async_engine import AsyncEngine
-from tformer.serve.loading import load_engine
+from tformer.serve.loading import load_engine, warm_up
 
 API_KEY_ENV = "TFORMER_API_KEY"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -44,7 +44,11 @@ def run_server(
 ) -> None:
     """Serves `model` until interrupted; see `load_engine` for the other arguments."""
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
-    engine = AsyncEngine(load_engine(model, engine_config, quantize, dtype, draft_model, draft_quantize))
+    loaded = load_engine(model, engine_config, quantize, dtype, draft_model, draft_quantize)
+    if loaded.config.compile:
+        logger.info("compiling the decode steps before serving (cached for the next start)")
+        warm_up(loaded)  # /health answers only once the server listens, so 200 means a compiled engine is ready
+    engine = AsyncEngine(loaded)
     app = create_app(engine, engine.engine.tokenizer, model_name or default_model_name(model), api_key)
     if host not in LOOPBACK and not api_key:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", host)
