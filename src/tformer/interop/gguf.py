@@ -114,7 +114,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
             f"{path} is truncated: reading bytes {err.start}..{err.end} of a {size}-byte file; "
             "the download or copy was probably cut short, fetch the file again"
         ) from None
-    except (Malformed, ValueError, OverflowError) as err:
+    except (Malformed, ValueError, KeyError, OverflowError) as err:
         raise GGUFError(f"{path}: corrupt or unsupported GGUF header: {err}") from None
 
 
