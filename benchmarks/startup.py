@@ -157,18 +157,19 @@ def main() -> int:
     out.header("start-up: tformer against llama-cpp-python and HF transformers (benchmarks/startup.py)")
     gguf = smollm2_path()
     tformer = [str(BIN / "tformer"), "generate", PROMPT, "--model", str(gguf), "--max-tokens", str(NEW_TOKENS)]
-    sides = {"tformer generate": lambda: first_output(tformer)[:2]}
+    sides = {"tformer generate": lambda: first_output(tformer)[:2],
+             "  --quantize int4": lambda: first_output([*tformer, "--quantize", "int4"])[:2]}
     try:
         import llama_cpp
 
-        script = LLAMA_CPP_SCRIPT.format(threads=args.threads, tokens=NEW_TOKENS)
-        sides["llama-cpp-python"] = lambda: first_output([sys.executable, "-c", script, str(gguf), PROMPT])[:2]
+        llama = [sys.executable, "-c", LLAMA_CPP_SCRIPT.format(threads=args.threads, tokens=NEW_TOKENS), str(gguf)]
+        sides["llama-cpp-python"] = lambda: first_output([*llama, PROMPT])[:2]
         out(f"llama-cpp-python {llama_cpp.__version__}, {args.threads} threads")
     except ImportError:
         out("llama-cpp-python is not installed (pip install -e '.[bench]'): its column is left out")
     if not args.skip_hf:
-        script = HF_SCRIPT.format(tokens=NEW_TOKENS)
-        sides["transformers"] = lambda: first_output([sys.executable, "-c", script, str(gguf), PROMPT])[:2]
+        hf = [sys.executable, "-c", HF_SCRIPT.format(tokens=NEW_TOKENS), str(gguf)]
+        sides["transformers"] = lambda: first_output([*hf, PROMPT])[:2]
     out(f"\ngenerate: '{PROMPT}', {NEW_TOKENS} new tokens, greedy, SmolLM2-135M-Instruct Q4_1 GGUF; "
         f"seconds from process start, median of {args.runs}")
     generate = alternate(sides, args.runs)
@@ -203,8 +204,9 @@ def main() -> int:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
             cold = first_output([*tformer, "--compile"], env)
             warm = first_output([*tformer, "--compile"], env)
-        out(f"\ntformer generate --compile: first token after {cold[0]:.1f} s with an empty inductor cache, "
-            f"{warm[0]:.1f} s with the cache the first run left")
+        out(f"\ntformer generate --compile (the first token comes from the eager prefill; decode steps compile): "
+            f"first token / exit after {cold[0]:.1f} / {cold[1]:.1f} s with an empty inductor cache, "
+            f"{warm[0]:.1f} / {warm[1]:.1f} s with the cache the first run left")
     out(f"\noutput of the last tformer generate: {first_output(tformer)[2]!r}")
     out("load after: " + os.popen("uptime").read().strip())
     out.save()
