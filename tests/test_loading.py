@@ -109,3 +109,22 @@ def test_int4_from_q4_1_keeps_the_files_values_and_serves_like_requantizing() ->
         theirs = set_precision(requantized, "bfloat16", "int4")(ids).float()
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     assert (ours - theirs).abs().max() <= 1e-2
+
+
+def test_loading_in_the_serving_dtype_maps_the_file_and_equals_casting_afterwards(tmp_path: Path) -> None:
+    """A bf16 checkpoint loaded as bf16 stays mapped (no float32 copy on the way) and equals loading it as
+    float32 and casting; `load_engine` asks for the serving dtype at load time."""
+    from tformer.serve.loading import load_engine
+
+    make_model(tiny_config("tiny-llama")).to(torch.bfloat16).save(tmp_path)
+    direct = load(tmp_path, dtype=torch.bfloat16)
+    cast = load(tmp_path).to(torch.bfloat16)
+    for (name, ours), (_, theirs) in zip(direct.state_dict().items(), cast.state_dict().items(), strict=True):
+        assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs), name
+    served = load_engine(tmp_path, dtype="bfloat16").model
+    for model in (direct, served):
+        weight = model.decoder.layers[0].ffn.up_proj.weight
+        with pytest.raises(RuntimeError):  # a mapped file's storage cannot grow; a copy's could
+            weight.untyped_storage().resize_(weight.untyped_storage().nbytes() * 2)
+    ids = torch.randint(1, direct.config.vocab_size, (1, 8))
+    assert torch.equal(direct(ids), cast(ids))

@@ -236,9 +236,12 @@ def _check_tensor_list(reader: GGUFFile, names: dict[str, str], path: str | os.P
 
 
 def from_gguf(
-    path: str | os.PathLike[str], reader: GGUFFile | None = None, leave_out: Collection[str] = ()
+    path: str | os.PathLike[str],
+    reader: GGUFFile | None = None,
+    leave_out: Collection[str] = (),
+    dtype: torch.dtype = torch.float32,
 ) -> DecoderLM:
-    """A tformer DecoderLM (float32, on the CPU, in eval mode) with the weights of a LLaMA GGUF file.
+    """A tformer DecoderLM (in `dtype`, on the CPU, in eval mode) with the weights of a LLaMA GGUF file.
 
     The model is built without initializing its weights; each is dequantized straight into place. Parameters
     named in `leave_out` stay on the meta device, for a caller that replaces their modules (`q4_1_linears`).
@@ -247,7 +250,7 @@ def from_gguf(
     config = config_from_gguf(reader, path)
     names = tensor_names(config)
     _check_tensor_list(reader, names, path)
-    model = build_model(config, initialize=False)
+    model = build_model(config, initialize=False).to(dtype)  # free on the meta device
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if set(names.values()) != set(shapes):
         raise RuntimeError("tformer's LLaMA parameters changed; update tformer.interop.gguf.LAYER_TENSORS")

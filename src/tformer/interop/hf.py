@@ -65,17 +65,19 @@ class DroppedWeightsWarning(UserWarning):
 # ---- import -------------------------------------------------------------------------------------------------------
 
 
-def from_hf(path: str | Path, device: str | torch.device = "cpu") -> TransformerModel:
+def from_hf(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> TransformerModel:
     """Loads a Hugging Face model directory (config.json + safetensors) as a tformer model in eval mode.
 
-    Weights load in the model's dtype (float32); call `.to(dtype)` afterwards for half precision.
+    Weights load in `dtype`, memory-mapped when the file holds them in that dtype.
     Raises CheckpointError naming the file and the problem when the directory cannot be read exactly.
     """
     path = Path(path)
     hf_config = read_hf_config(path)
     family = family_of(hf_config, path / CONFIG_JSON)
     config = config_from_hf(family, hf_config, path / CONFIG_JSON)
-    model = build_model(config, initialize=False)
+    model = build_model(config, initialize=False).to(dtype)  # free on the meta device
     with open_weights(path) as weights:
         base, head = family.tensors(config)
         table = {_base_prefix(family, base, weights.names) + name: entry for name, entry in base.items()} | head

@@ -66,11 +66,11 @@ class TransformerModel(nn.Module):
             )
 
 
-def load(path: str | Path, device: str | torch.device = "cpu") -> TransformerModel:
+def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> TransformerModel:
     """Loads a checkpoint directory written by `model.save`, in eval mode (call `.train()` to train on).
 
-    The weights stay memory-mapped from model.safetensors (no copy, no random initialization first) when they
-    load on the CPU in the dtype they were saved in.
+    Weights load in `dtype`. They stay memory-mapped from model.safetensors (no copy, no random initialization
+    first) when they load on the CPU in the dtype they were saved in.
     """
     from tformer.models import assign_weights, build_model
 
@@ -79,7 +79,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> TransformerMod
         if not (path / name).is_file():
             raise CheckpointError(f"{path} is not a tformer checkpoint: {name} is missing")
     config = ModelConfig.from_file(path / CONFIG_FILE)
-    model = build_model(config, initialize=False)
+    model = build_model(config, initialize=False).to(dtype)  # free on the meta device
     try:
         state = load_file(str(path / WEIGHTS_FILE))
     except (SafetensorError, OSError, RuntimeError) as err:

@@ -10,7 +10,7 @@ import os
 from tformer.data.tokenizer import Tokenizer
 from tformer.errors import ConfigError
 from tformer.inference import Engine, EngineConfig, SamplingParams
-from tformer.inference.quantize import Int4Linear, check_precision, set_precision
+from tformer.inference.quantize import WEIGHT_DTYPES, Int4Linear, check_precision, resolve_dtype, set_precision
 from tformer.interop.gguf import from_gguf, is_gguf, open_gguf, q4_1_linears
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.interop.loading import load_pretrained
@@ -33,19 +33,26 @@ def load_engine(
     if draft_quantize is not None and draft_model is None:
         raise ConfigError("a draft quantization needs a draft model (--draft-model); name the served model itself "
                           "to draft with a quantized copy of it")
-    net, tokenizer = load_quantized(model, quantize)
+    net, tokenizer = load_quantized(model, quantize, dtype)
     set_precision(net, dtype, quantize)
     draft = None
     if draft_model is not None:
-        draft, _ = load_quantized(draft_model, draft_quantize)
+        draft, _ = load_quantized(draft_model, draft_quantize, dtype)
         set_precision(draft, dtype, draft_quantize)
     return Engine(net, tokenizer, engine_config, draft=draft)
 
 
-def load_quantized(path: str | os.PathLike[str], quantize: str | None) -> tuple[TransformerModel, Tokenizer | None]:
-    """`load_pretrained`, except that INT4 from a GGUF file takes its Q4_1 blocks as they are: those layers become
-    `Int4Linear`s directly, with no float copy made and no second rounding (`set_precision` does the rest).
-    Layers whose output size the INT4 kernel cannot take (a multiple of 16) load as floats and quantize later."""
+def load_quantized(
+    path: str | os.PathLike[str], quantize: str | None, dtype: str = "auto"
+) -> tuple[TransformerModel, Tokenizer | None]:
+    """The model for `set_precision(model, dtype, quantize)` to finish, loaded with no copy it would throw away.
+
+    Unquantized weights load in the serving dtype itself. Quantization reads float32 weights (rounding them
+    once), except INT4 from a GGUF file: its Q4_1 blocks become `Int4Linear`s as they are, with no float copy
+    and no second rounding. Layers whose output size the INT4 kernel cannot take (a multiple of 16) load as
+    floats and quantize later."""
+    if quantize is None:
+        return load_pretrained(path, WEIGHT_DTYPES[resolve_dtype(dtype, quantize)])
     if quantize != "int4" or not is_gguf(path):
         return load_pretrained(path)
     reader = open_gguf(path)
