@@ -14,6 +14,7 @@ from typing import Any, Self
 import yaml
 
 from tformer.errors import ConfigError
+from tformer.files import read_mapping
 
 FAMILIES = ("encoder-decoder", "decoder", "encoder")
 POSITION_NAMES = ("sinusoidal", "learned", "rope", "alibi", "none")
@@ -91,14 +92,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: not valid YAML/JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
-    return data
+    return read_mapping(path, ConfigError, "config keys")
 
 
 @dataclass

@@ -28,6 +28,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from tformer.data.readers import DataError
+from tformer.files import read_mapping, write_atomically, write_text_atomically
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<mask>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID = range(len(SPECIAL_TOKENS))
@@ -156,17 +157,13 @@ class Tokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         file = directory / FILE_NAME
-        tmp = directory / (FILE_NAME + ".tmp")
-        self._backend_for_saving().save(str(tmp))
-        os.replace(tmp, file)
+        write_atomically(file, lambda tmp: self._backend_for_saving().save(str(tmp)))
         config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
         config.update({f"{role}_token": self.special_tokens.get(role) for role in ROLES})
         config["add_bos_token"] = self.add_bos
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
-        tmp = directory / (CONFIG_NAME + ".tmp")
-        tmp.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        os.replace(tmp, directory / CONFIG_NAME)
+        write_text_atomically(directory / CONFIG_NAME, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         return file
 
     def _backend_for_saving(self) -> HFTokenizer:
@@ -315,15 +312,7 @@ def _check_tformer_layout(backend: HFTokenizer) -> None:
 
 
 def _read_json(file: Path) -> dict[str, Any]:
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DataError(f"{file}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise DataError(f"{file}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_mapping(file, DataError, "tokenizer settings") if file.is_file() else {}
 
 
 def _token_text(value: Any, source: Path) -> str | None:

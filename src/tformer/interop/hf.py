@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
 import shutil
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tformer.config import ConfigError, ModelConfig
+from tformer.files import read_mapping, write_atomically
 from tformer.interop.hf_decoders import GPT2, GPT2_BARE, LLAMA, MISTRAL
 from tformer.interop.hf_encoders import BART, BERT_MLM, BERT_MODEL, MARIAN
 from tformer.interop.hf_spec import COPY, SAME, Entry, Family, HFFields, Table, Transform, UnsupportedHFConfig
@@ -102,13 +102,7 @@ def read_hf_config(path: Path) -> dict[str, Any]:
             f"{path} has no {CONFIG_JSON}, so it is not a Hugging Face model directory; "
             f"pass the directory that save_pretrained wrote (config.json next to model.safetensors)"
         )
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{file}: not valid JSON ({err}); restore the file from the original model") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file}: expected a JSON object of config fields, got {type(data).__name__}")
-    return data
+    return read_mapping(file, CheckpointError, "config fields", fix="restore the file from the original model")
 
 
 def family_of(hf_config: dict[str, Any], source: Path) -> Family:
@@ -311,11 +305,11 @@ def to_hf(
     if (path / WEIGHTS_INDEX).exists():
         raise CheckpointError(f"{path} holds a sharded checkpoint ({WEIGHTS_INDEX}); write to an empty directory")
     path.mkdir(parents=True, exist_ok=True)
-    _write_atomically(path / WEIGHTS, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    write_atomically(path / WEIGHTS, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
-    _write_atomically(path / CONFIG_JSON, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    write_atomically(path / CONFIG_JSON, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     for file in tokenizer_files:
-        _write_atomically(path / file.name, lambda tmp, file=file: shutil.copyfile(file, tmp))
+        write_atomically(path / file.name, lambda tmp, file=file: shutil.copyfile(file, tmp))
 
 
 def config_to_hf(family: Family, config: ModelConfig) -> dict[str, Any]:
@@ -409,12 +403,3 @@ def _listed(names: list[str], limit: int = 8) -> str:
         return "nothing"
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
-
-
-def _write_atomically(target: Path, write: Callable[[Path], object]) -> None:
-    tmp = target.with_name(target.name + ".tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -32,6 +32,7 @@ import torch
 
 from tformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from tformer.data.tokenizer import Tokenizer
+from tformer.files import write_text_atomically
 from tformer.models import CheckpointError, TransformerModel, load
 
 STATE_FILE = "trainer_state.pt"
@@ -95,13 +96,6 @@ def best_checkpoint(run_dir: Path) -> Path | None:
         return None
     best = checkpoint_dir(run_dir, json.loads(path.read_text())["step"])
     return best if best.is_dir() else None
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Writes `text` to a temporary file beside `path`, then renames it: a kill leaves the old file or the new."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def record_best(run_dir: Path, step: int, bleu: float, dev_sentences: int) -> None:

@@ -29,6 +29,7 @@ from safetensors.torch import load_model
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import OBJECTIVES, Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab, causal_lm
 from tformer.errors import TrainingDiverged
+from tformer.files import write_text_atomically
 from tformer.models import WEIGHTS_FILE, CheckpointError, TransformerModel, build_model
 from tformer.training.checkpoint import (
     begin_checkpoint,
@@ -41,7 +42,6 @@ from tformer.training.checkpoint import (
     record_best,
     rewrite_trainer_state,
     write_checkpoint_files,
-    write_text_atomically,
 )
 from tformer.training.config import OBJECTIVE_FAMILIES, TrainConfig
 from tformer.training.corpus import PreparedData, prepare_data
@@ -61,6 +61,12 @@ from tformer.training.sharded import SHARDED_DIR, load_sharded, save_sharded
 from tformer.viz import plot_training_curves
 
 
+def stream_seed(seed: int, index: int) -> int:
+    """The seed of random stream `index` of a run seeded with `seed`; 1,000,003 is prime, so streams of
+    neighbouring seeds stay apart for a million indices."""
+    return seed * 1_000_003 + index
+
+
 def seed_dropout(seed: int, step: int, rank: int = 0) -> None:
     """Seeds torch's global generator for the dropout draws of optimizer step `step` (0-based) on one rank.
 
@@ -68,7 +74,7 @@ def seed_dropout(seed: int, step: int, rank: int = 0) -> None:
     does, and a loop that runs another model in between (benchmarks/translation_vs_marian.py) draws what
     `tformer train` does.
     """
-    torch.manual_seed(seed * 1_000_003 + step * 1_009 + rank)
+    torch.manual_seed(stream_seed(seed, step * 1_009 + rank))
 
 
 def drop_records_after(path: Path, step: int) -> None:
@@ -174,7 +180,7 @@ class Trainer:
 
     # ---- one optimizer step ----------------------------------------------------------------------------
     def _batch(self, indices: list[int], micro_step: int) -> Seq2SeqBatch | LMBatch:
-        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + micro_step)
+        generator = torch.Generator().manual_seed(stream_seed(self.config.seed, micro_step))
         examples = [self.data.examples[i] for i in indices]
         return OBJECTIVES[self.config.objective](examples, self.vocab, generator).to(self.device)
 

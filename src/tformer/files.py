@@ -1,0 +1,47 @@
+"""The small files tformer reads and writes beside its weights: config and tokenizer mappings, run records.
+
+A mapping is read with an error that names the file and says what is wrong; a file is written atomically, so
+that a crash or a kill leaves the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def read_mapping(path: Path, error: type[Exception], what: str, fix: str = "") -> dict[str, Any]:
+    """The mapping a JSON file (or, unless the suffix is .json, a YAML file) holds; `error(message)` otherwise.
+
+    `what` names the keys the file should hold; `fix` is appended to the message of a file that does not parse
+    (how to get a good copy).
+    """
+    text = path.read_bytes()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text.decode("utf-8"))
+    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        kind = "JSON" if path.suffix == ".json" else "YAML/JSON"
+        raise error(f"{path}: not valid {kind} ({err}){'; ' + fix if fix else ''}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a mapping of {what}, got {type(data).__name__}")
+    return data
+
+
+def write_atomically(target: Path, write: Callable[[Path], object]) -> None:
+    """Calls `write(tmp)` for a temporary path beside `target`, then renames it over `target`."""
+    tmp = target.with_name(target.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Writes `text` (UTF-8) to `path` atomically."""
+    write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
