@@ -99,7 +99,7 @@ def wait_for_idle(timeout: float, min_share: float = 0.5) -> tuple[float, str]:
 def agreeing_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens two greedy outputs share."""
     count = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         count += 1

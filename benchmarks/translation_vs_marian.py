@@ -382,11 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     for s in sides:
         n = len(s.times)
         out(f"{s.name}: {n} steps, {sum(s.tokens):,} target tokens in {s.elapsed:.1f}s; step seconds "
-            f"{spread(s.times)}; CPU share {median([c / (w * threads) for c, w in zip(s.cpu, s.times)]):.0%}; "
+            f"{spread(s.times)}; CPU share {median([c / (w * threads) for c, w in zip(s.cpu, s.times, strict=True)]):.0%}; "
             f"train loss (label-smoothed, per token) first 20 steps {mean_loss(s, slice(0, 20)):.3f}, "
             f"last 20 {mean_loss(s, slice(n - 20, n)):.3f}, over the paired steps' last 20 "
             f"{mean_loss(s, slice(max(paired - 20, 0), paired)):.3f}")
-    ratios = [m / t for t, m in zip(sides[0].times[:paired], sides[1].times[:paired])]
+    ratios = [m / t for t, m in zip(sides[0].times[:paired], sides[1].times[:paired], strict=True)]
     out(f"paired steps (same batch, same round): Marian time / tformer time {spread(ratios)}")
 
     sources = [s for s, _ in data.test]
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out()
     overall = {s.name: sum(s.tokens) / s.elapsed for s in sides}
-    step_rate = {s.name: median([t / w for t, w in zip(s.tokens, s.times)]) for s in sides}
+    step_rate = {s.name: median([t / w for t, w in zip(s.tokens, s.times, strict=True)]) for s in sides}
     header = (f"{'side':<8} {'steps':>5} {'trained tok':>11} {'step s':>6} {'tok/s (median step)':>19} "
               f"{'tok/s (overall)':>15} {'ratio':>6} {'test BLEU':>9} {'decode sent/s':>13}")
     out(header)

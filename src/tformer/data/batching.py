@@ -148,7 +148,7 @@ def encode_pairs(tokenizer: _Encoder, pairs: Sequence[tuple[str, str]]) -> list[
     """Token ids of (source, target) text pairs, e.g. ``encode_pairs(tokenizer, bible_pairs("en-de"))``."""
     src = tokenizer.encode_batch([s for s, _ in pairs])
     tgt = tokenizer.encode_batch([t for _, t in pairs])
-    return list(zip(src, tgt))
+    return list(zip(src, tgt, strict=True))
 
 
 def seq2seq_lengths(pairs: Sequence[tuple[TokenIds, TokenIds]]) -> list[int]:

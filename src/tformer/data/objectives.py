@@ -120,7 +120,7 @@ def _noise_mask(n: int, density: float, mean_span: float, generator: torch.Gener
     num_noise = min(max(round(n * density), 1), n - 1)
     num_spans = min(max(round(num_noise / mean_span), 1), num_noise, n - num_noise)
     noise, keep = _segment(num_noise, num_spans, generator), _segment(n - num_noise, num_spans, generator)
-    mask = [flag for kept, noised in zip(keep, noise) for flag in [False] * kept + [True] * noised]
+    mask = [flag for kept, noised in zip(keep, noise, strict=True) for flag in [False] * kept + [True] * noised]
     offset = int(torch.randint(n, (1,), generator=generator))
     return mask[offset:] + mask[:offset]
 
@@ -134,7 +134,7 @@ def _corrupt_spans(seq: TokenIds, noise: list[bool], sentinels: Sequence[int]) -
             f"{len(sentinels)}; train the tokenizer with a larger num_sentinels or pass shorter sequences"
         )
     inputs, targets, span = [], [], 0
-    for i, (token, is_noise) in enumerate(zip(seq, noise)):
+    for i, (token, is_noise) in enumerate(zip(seq, noise, strict=True)):
         if is_noise and (i == 0 or not noise[i - 1]):  # a span starts: one sentinel on both sides
             inputs.append(sentinels[span])
             targets.append(sentinels[span])
@@ -181,7 +181,7 @@ def _infill(seq: list[int], vocab: Vocab, ratio: float, lam: float, generator: t
     unmasked = len(seq) - num_mask
     cuts = torch.randint(unmasked + 1, (len(spans),), generator=generator).sort().values.tolist()
     out, pos, previous_cut = [], 0, 0
-    for cut, length in zip(cuts, spans):  # `cut` unmasked tokens precede this span
+    for cut, length in zip(cuts, spans, strict=True):  # `cut` unmasked tokens precede this span
         out += [*seq[pos : pos + cut - previous_cut], vocab.mask_id]
         pos += cut - previous_cut + length
         previous_cut = cut

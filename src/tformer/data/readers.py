@@ -94,7 +94,7 @@ def read_aligned(src_path: PathLike, tgt_path: PathLike) -> list[Pair]:
             f"{longer}:{first_extra}: line has no partner: {src_path} has {len(src_lines)} lines but {tgt_path} "
             f"has {len(tgt_lines)}; the files must be line-aligned (check {shorter} for a missing or merged line)"
         )
-    pairs = [(normalize_text(s), normalize_text(t)) for (_, s), (_, t) in zip(src_lines, tgt_lines)]
+    pairs = [(normalize_text(s), normalize_text(t)) for (_, s), (_, t) in zip(src_lines, tgt_lines, strict=True)]
     pairs = [(s, t) for s, t in pairs if s and t]
     _require_examples(pairs, src_path, f"non-empty line pairs (with {tgt_path})")
     return pairs

@@ -33,7 +33,7 @@ from tformer.files import read_mapping, write_atomically, write_text_atomically
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<mask>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID = range(len(SPECIAL_TOKENS))
 ROLES = ("pad", "bos", "eos", "unk", "mask")
-TFORMER_SPECIALS: dict[str, str] = dict(zip(ROLES, SPECIAL_TOKENS))
+TFORMER_SPECIALS: dict[str, str] = dict(zip(ROLES, SPECIAL_TOKENS, strict=True))
 FILE_NAME = "tokenizer.json"
 CONFIG_NAME = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_NAME = "special_tokens_map.json"

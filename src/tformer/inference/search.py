@@ -188,7 +188,7 @@ class Beams:
         kept: list[list[Candidate]] = [[] for _ in range(B)]
         for b in range(B):
             if not self.done[b]:
-                kept[b] = self._select(b, zip(scores[b], parents[b], tokens[b]), prefixes[b])
+                kept[b] = self._select(b, zip(scores[b], parents[b], tokens[b], strict=True), prefixes[b])
         if all(self.done):
             return None
         dead = (float("-inf"), 0, self.eos_id)  # fills rows with fewer than K live beams
@@ -255,7 +255,7 @@ def _row_limits(max_len: int | Sequence[int], batch_size: int) -> list[int]:
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]], limits: list[int], max_seq_len: int) -> None:
-    for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+    for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
         if not prompt:
             raise ValueError(f"prompt {i} is empty; beam search continues a prompt, so give it a token (e.g. <s>)")
         if len(prompt) + limit > max_seq_len:
@@ -307,6 +307,6 @@ def translate_ids(
             out = greedy_search(model, src, src_mask, max_len, bos_id, eos_id)
         else:
             out = beam_search(model, src, src_mask, max_len, bos_id, eos_id, beam_size, alpha)
-        for i, ids in zip(chunk, out):
+        for i, ids in zip(chunk, out, strict=True):
             results[i] = ids
     return results

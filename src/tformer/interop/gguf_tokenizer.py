@@ -107,7 +107,7 @@ def _merges_from_scores(tokens: list[str], types: list[int], scores: list[float]
     """SentencePiece merges the adjacent pair whose union scores highest; as BPE ranks, best score first."""
     vocab = {token: i for i, token in enumerate(tokens)}
     merges = []
-    for token, kind, score in zip(tokens, types, scores):
+    for token, kind, score in zip(tokens, types, scores, strict=True):
         if kind not in (NORMAL, USER_DEFINED):
             continue
         for cut in range(1, len(token)):
@@ -120,8 +120,8 @@ def _merges_from_scores(tokens: list[str], types: list[int], scores: list[float]
 
 def _add_special_tokens(backend: HFTokenizer, tokens: list[str], types: list[int]) -> None:
     """Control tokens (<|im_start|>, ...) match whole and are special; user-defined ones match whole too."""
-    control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True) if k == CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED]
     backend.add_special_tokens(control)
     backend.add_tokens(user)
 

@@ -35,7 +35,7 @@ class TranslationResult:
     def samples(self, n: int) -> list[dict[str, str]]:
         return [
             {"source": s, "hypothesis": h, "reference": r}
-            for s, h, r in zip(self.sources[:n], self.hypotheses[:n], self.references[:n])
+            for s, h, r in zip(self.sources[:n], self.hypotheses[:n], self.references[:n], strict=True)
         ]
 
 

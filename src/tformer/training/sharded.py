@@ -95,5 +95,5 @@ def load_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer
         raise CheckpointError(f"{path}: cannot load the sharded training state: {cause}") from None
     kernels = [{k: group[k] for k in ("fused", "foreach") if k in group} for group in optimizer.param_groups]
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    for group, kernel in zip(optimizer.param_groups, kernels):  # this run's kernel choice, not the saved one's
+    for group, kernel in zip(optimizer.param_groups, kernels, strict=True):  # this run's kernel choice, not the saved one's
         group.update(kernel)

@@ -61,7 +61,7 @@ def plot_training_curves(metrics_file: str | Path, out: str | Path) -> Path:
     if metrics["dev_ppl"]:
         panels.append((metrics["dev_ppl"], "dev_ppl", "dev perplexity"))
     figure = _new_figure(4.35 * len(panels), 3.6)
-    for ax, (rows, key, title) in zip(figure.subplots(1, len(panels), squeeze=False)[0], panels):
+    for ax, (rows, key, title) in zip(figure.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
         is_dev = key.startswith("dev_")
         ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="o" if is_dev else None)
         if key == "dev_ppl":
