@@ -1,12 +1,25 @@
-"""References shared by the engine, speculation and quantization tests: the uncached greedy decoder, the bf16
-rounding margin, prompts of mixed lengths, the decoder variants the engine must serve, and the chi-square statistic.
+"""Plain functions and data that several test modules share; fixtures and the tiny-config helpers live in conftest.py.
 
-Fixtures and the tiny-config helpers live in conftest.py; these are plain functions and data.
+- The engine, speculation and quantization tests: the uncached greedy decoder, the bf16 rounding margin, prompts of
+  mixed lengths, the decoder variants the engine must serve, and the chi-square statistic.
+- The training tests: a tiny recipe on a synthetic corpus, the trainer built from it or run as `tformer train`.
 """
 
 from __future__ import annotations
 
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
+import yaml
+
+from tformer.training import Trainer, load_recipe
+from tformer.training.checkpoint import list_checkpoints
+
+# ---- the engine: decoder variants and decoding references -------------------------------------------------------
 
 DECODERS = {
     "llama (RoPE, GQA, RMSNorm, SwiGLU)": dict(preset="tiny-llama"),
@@ -55,3 +68,49 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's statistic of observed `counts` against the expected distribution `probs`."""
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected).sum())
+
+
+# ---- training: a tiny recipe and the ways to run it ------------------------------------------------------------
+
+WORDS = "zero one two three four five six seven eight nine".split()
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny tensors: threads only contend on a busy machine
+
+
+def write_corpus(path: Path, n: int = 200) -> Path:
+    """A reversal task on number words: "three one four" -> "four one three"."""
+    rng = random.Random(0)
+    lines = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(1, 5))]
+        lines.append(f"{' '.join(words)}\t{' '.join(reversed(words))}\n")
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
+
+
+def write_recipe(directory: Path, **train: object) -> Path:
+    """A recipe for the tiny model on the synthetic corpus, with dropout so that resuming depends on the RNG."""
+    directory.mkdir(parents=True, exist_ok=True)
+    train = {
+        "corpus": str(write_corpus(directory / "corpus.tsv")), "vocab_size": 300, "max_len": 32,
+        "max_tokens": 256, "max_steps": 20, "save_every": 5, "eval_every": 10_000, "log_every": 5,
+        "optimizer": "adamw-cosine", "lr": 1e-3, "warmup": 5, "out_dir": str(directory / "run"), **train,
+    }
+    path = directory / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"model": {"preset": "tiny-transformer", "dropout": 0.1}, "train": train}))
+    return path
+
+
+def trainer(recipe: Path, *overrides: str) -> Trainer:
+    """The trainer of a recipe file with `section.key=value` overrides, in this process."""
+    return Trainer(*load_recipe(recipe, list(overrides)))
+
+
+def tformer_train(recipe: Path, *overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`tformer train` on a recipe in a subprocess with one thread, so that exit codes and output are real."""
+    command = [sys.executable, "-m", "tformer", "train", str(recipe), *overrides]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def steps(run_dir: Path) -> list[int]:
+    """The steps of the run's finished checkpoints, oldest first."""
+    return [int(p.name.removeprefix("step-")) for p in list_checkpoints(run_dir)]

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import free_port
-from test_training import write_recipe
+from helpers import write_recipe
 from tformer.config import ConfigError
 from tformer.models import WEIGHTS_FILE, CheckpointError, build_model, load
 from tformer.training import TrainConfig

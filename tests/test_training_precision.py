@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_training import trainer, write_recipe
+from helpers import trainer, write_recipe
 
 
 def losses(recipe: Path, *overrides: str, steps: int = 12) -> list[float]:

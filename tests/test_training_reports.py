@@ -9,7 +9,7 @@ import pytest
 import sacrebleu
 import torch
 
-from test_training import tformer_train, trainer, write_corpus, write_recipe
+from helpers import tformer_train, trainer, write_corpus, write_recipe
 from tformer.training.checkpoint import STATE_FILE, checkpoint_dir, resolve_checkpoint
 from tformer.training.evaluate import TranslationResult
 
