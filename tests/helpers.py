@@ -3,6 +3,7 @@
 - The engine, speculation and quantization tests: the uncached greedy decoder, the bf16 rounding margin, prompts of
   mixed lengths, the decoder variants the engine must serve, and the chi-square statistic.
 - The training tests: a tiny recipe on a synthetic corpus, the trainer built from it or run as `tformer train`.
+- The GGUF tests: llama.cpp's permutation of q and k rows.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 
@@ -114,3 +116,12 @@ def tformer_train(recipe: Path, *overrides: str, timeout: float = 120) -> subpro
 def steps(run_dir: Path) -> list[int]:
     """The steps of the run's finished checkpoints, oldest first."""
     return [int(p.name.removeprefix("step-")) for p in list_checkpoints(run_dir)]
+
+
+# ---- GGUF -----------------------------------------------------------------------------------------------------------
+
+
+def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to q_proj / k_proj rows (its interleaved RoPE pairs)."""
+    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
