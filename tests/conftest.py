@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +97,23 @@ def smollm2_pretrained() -> tuple[TransformerModel, Any]:
     from tformer.interop.loading import load_pretrained
 
     return load_pretrained(smollm2_path())
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Any, Path]]:
+    """The Hugging Face tests' reference models: case (a key of helpers.CASES) -> (a copy of its transformers model,
+    the directory save_pretrained wrote); each saved once per module."""
+    from helpers import hf_model
+
+    saved: dict[str, tuple[Any, Path]] = {}
+
+    def get(case: str) -> tuple[Any, Path]:
+        if case not in saved:
+            torch.manual_seed(0)
+            model, path = hf_model(case), tmp_path_factory.mktemp(case)
+            model.save_pretrained(path)
+            saved[case] = model, path
+        model, path = saved[case]
+        return copy.deepcopy(model), path  # a copy: dynamic RoPE keeps state between calls
+
+    return get
