@@ -1,4 +1,5 @@
-"""Shared helpers for the layer and model tests: tiny configs, seeded models, token batches, logits."""
+"""Fixtures and helpers shared by the test modules: tiny configs, seeded models, token batches, logits, the SmolLM2
+file, and the module-scoped references of the Hugging Face and serving tests (their plain helpers: helpers.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import importlib.util
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
 from tformer import ModelConfig, TransformerModel, build_model
+
+if TYPE_CHECKING:
+    from helpers import LiveServer, Offline
 
 # one tiny preset per family (tiny-llama adds RMSNorm, SwiGLU, RoPE and GQA to the decoder family)
 FAMILY_PRESETS = {"encoder-decoder": "tiny-transformer", "decoder": "tiny-gpt2", "encoder": "tiny-bert"}
@@ -117,3 +121,30 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tupl
         return copy.deepcopy(model), path  # a copy: dynamic RoPE keeps state between calls
 
     return get
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """The serving tests' tiny checkpoint: a LLaMA-style decoder with a 64-token context and a chat template."""
+    from helpers import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dir) -> Offline:
+    """The serving tests' reference: an offline Engine on its own copy of the tiny checkpoint."""
+    from helpers import Offline
+
+    return Offline(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir, one_thread) -> Iterator[LiveServer]:
+    """`create_app` on the tiny checkpoint, served by uvicorn in a thread of this process."""
+    from helpers import LiveServer
+    from tformer.interop.loading import load_pretrained
+
+    server = LiveServer(*load_pretrained(tiny_dir))
+    yield server
+    server.stop()
