@@ -14,26 +14,22 @@ import fnmatch
 import json
 import shutil
 import warnings
-from collections.abc import Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.files import read_mapping, write_atomically
 from tformer.interop.hf_decoders import GPT2, GPT2_BARE, LLAMA, MISTRAL
 from tformer.interop.hf_encoders import BART, BERT_MLM, BERT_MODEL, MARIAN
+from tformer.interop.hf_files import WEIGHTS, WEIGHTS_INDEX, Weights, listed, open_weights
 from tformer.interop.hf_spec import COPY, SAME, Entry, Family, HFFields, Table, Transform, UnsupportedHFConfig
 from tformer.models import CheckpointError, TransformerModel, assign_weights, build_model
 
 CONFIG_JSON = "config.json"
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
-PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
     "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "source.spm",
@@ -87,7 +83,7 @@ def from_hf(
     load_state(model, state, family, path)
     if dropped:
         warnings.warn(
-            f"{path}: left out {_listed(dropped)}. {family.dropped_note}", DroppedWeightsWarning, stacklevel=2
+            f"{path}: left out {listed(dropped)}. {family.dropped_note}", DroppedWeightsWarning, stacklevel=2
         )
     return model.to(device).eval()
 
@@ -152,13 +148,13 @@ def check_tensors(weights: Weights, table: Table, family: Family, model: Transfo
     missing = sorted(required - weights.names)
     if missing:
         raise CheckpointError(
-            f"{path} ({files}): missing tensors {_listed(missing)}, which the {family.architecture} described by "
+            f"{path} ({files}): missing tensors {listed(missing)}, which the {family.architecture} described by "
             f"{CONFIG_JSON} needs; use the {CONFIG_JSON} saved with these weights"
         )
     unknown = sorted(n for n in weights.names - table.keys() if not _matches(n, family.ignored + family.dropped))
     if unknown:
         raise CheckpointError(
-            f"{path} ({files}): unexpected tensors {_listed(unknown)}: the {family.architecture} described by "
+            f"{path} ({files}): unexpected tensors {listed(unknown)}: the {family.architecture} described by "
             f"{CONFIG_JSON} has no such weights; check that {CONFIG_JSON} (its architectures entry, layer counts) "
             f"belongs to these weights"
         )
@@ -202,79 +198,10 @@ def load_state(model: TransformerModel, state: dict[str, torch.Tensor], family: 
     unset, unexpected, mismatched = assign_weights(model, state)
     if unset or unexpected or mismatched:
         raise CheckpointError(
-            f"{path}: the {family.architecture} tables in tformer.interop left {_listed(unset)} unset, "
-            f"produced unknown {_listed(unexpected)} and misshaped {_listed(mismatched)}; this is a bug in "
+            f"{path}: the {family.architecture} tables in tformer.interop left {listed(unset)} unset, "
+            f"produced unknown {listed(unexpected)} and misshaped {listed(mismatched)}; this is a bug in "
             "tformer, please report it"
         )
-
-
-# ---- reading safetensors ------------------------------------------------------------------------------------------
-
-
-class Weights:
-    """Read access, by name, to the tensors of the safetensors file(s) of a checkpoint directory."""
-
-    def __init__(self, files: list[Path], stack: ExitStack) -> None:
-        self.file_of: dict[str, Path] = {}
-        self._handles: dict[str, Any] = {}
-        for file in files:
-            try:
-                handle = stack.enter_context(safe_open(str(file), framework="pt"))
-            except (SafetensorError, OSError) as err:
-                raise CheckpointError(f"{file}: {_unreadable(err)}") from None
-            for name in handle.keys():
-                if name in self.file_of:
-                    raise CheckpointError(f"{file}: tensor {name} is also in {self.file_of[name]}; remove one copy")
-                self.file_of[name], self._handles[name] = file, handle
-        self.names = set(self.file_of)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[name].get_slice(name).get_shape())
-
-    def get(self, name: str) -> torch.Tensor:
-        try:
-            return self._handles[name].get_tensor(name)
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"{self.file_of[name]}: cannot read tensor {name}: {_unreadable(err)}") from None
-
-
-@contextmanager
-def open_weights(path: Path) -> Iterator[Weights]:
-    """The checkpoint's tensors, with every file open until the block ends."""
-    with ExitStack() as stack:
-        yield Weights(weight_files(path), stack)
-
-
-def weight_files(path: Path) -> list[Path]:
-    """model.safetensors, or the shards model.safetensors.index.json lists; pickled checkpoints are refused."""
-    if (path / WEIGHTS).is_file():
-        return [path / WEIGHTS]
-    if (path / WEIGHTS_INDEX).is_file():
-        return _shards(path / WEIGHTS_INDEX)
-    pickled = [name for name in PICKLED if (path / name).is_file()]
-    if pickled:
-        raise CheckpointError(
-            f"{path / pickled[0]} is a pickled PyTorch checkpoint, and tformer never unpickles files (loading one can "
-            f"run arbitrary code); convert it to {WEIGHTS} first, e.g. in a trusted environment with transformers: "
-            f"AutoModel.from_pretrained(dir).save_pretrained(dir) writes safetensors"
-        )
-    raise CheckpointError(f"{path} has no {WEIGHTS} or {WEIGHTS_INDEX}; put the model's safetensors weights there")
-
-
-def _shards(index: Path) -> list[Path]:
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        names = sorted(set(weight_map.values()))
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
-        raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a weight_map): {err}") from None
-    missing = [name for name in names if not (index.parent / name).is_file()]
-    if missing:
-        raise CheckpointError(f"{index} lists shards that are not in {index.parent}: {_listed(missing)}; copy them")
-    return [index.parent / name for name in names]
-
-
-def _unreadable(err: Exception) -> str:
-    return f"not a readable safetensors file ({err}); it may be truncated or corrupt, so copy or export it again"
 
 
 # ---- export -------------------------------------------------------------------------------------------------------
@@ -396,10 +323,3 @@ def _optional(name: str, entry: Entry, family: Family) -> bool:
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
-
-
-def _listed(names: list[str], limit: int = 8) -> str:
-    if not names:
-        return "nothing"
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more

@@ -1,0 +1,95 @@
+"""The weight files of a Hugging Face model directory: model.safetensors or its shards, read by tensor name.
+
+Pickled checkpoints (pytorch_model.bin) are refused with a message saying how to convert them: unpickling can run
+arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tformer.models import CheckpointError
+
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+class Weights:
+    """Read access, by name, to the tensors of the safetensors file(s) of a checkpoint directory."""
+
+    def __init__(self, files: list[Path], stack: ExitStack) -> None:
+        self.file_of: dict[str, Path] = {}
+        self._handles: dict[str, Any] = {}
+        for file in files:
+            try:
+                handle = stack.enter_context(safe_open(str(file), framework="pt"))
+            except (SafetensorError, OSError) as err:
+                raise CheckpointError(f"{file}: {_unreadable(err)}") from None
+            for name in handle.keys():
+                if name in self.file_of:
+                    raise CheckpointError(f"{file}: tensor {name} is also in {self.file_of[name]}; remove one copy")
+                self.file_of[name], self._handles[name] = file, handle
+        self.names = set(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[name].get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._handles[name].get_tensor(name)
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{self.file_of[name]}: cannot read tensor {name}: {_unreadable(err)}") from None
+
+
+@contextmanager
+def open_weights(path: Path) -> Iterator[Weights]:
+    """The checkpoint's tensors, with every file open until the block ends."""
+    with ExitStack() as stack:
+        yield Weights(weight_files(path), stack)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """model.safetensors, or the shards model.safetensors.index.json lists; pickled checkpoints are refused."""
+    if (path / WEIGHTS).is_file():
+        return [path / WEIGHTS]
+    if (path / WEIGHTS_INDEX).is_file():
+        return _shards(path / WEIGHTS_INDEX)
+    pickled = [name for name in PICKLED if (path / name).is_file()]
+    if pickled:
+        raise CheckpointError(
+            f"{path / pickled[0]} is a pickled PyTorch checkpoint, and tformer never unpickles files (loading one can "
+            f"run arbitrary code); convert it to {WEIGHTS} first, e.g. in a trusted environment with transformers: "
+            f"AutoModel.from_pretrained(dir).save_pretrained(dir) writes safetensors"
+        )
+    raise CheckpointError(f"{path} has no {WEIGHTS} or {WEIGHTS_INDEX}; put the model's safetensors weights there")
+
+
+def _shards(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a weight_map): {err}") from None
+    missing = [name for name in names if not (index.parent / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{index} lists shards that are not in {index.parent}: {listed(missing)}; copy them")
+    return [index.parent / name for name in names]
+
+
+def _unreadable(err: Exception) -> str:
+    return f"not a readable safetensors file ({err}); it may be truncated or corrupt, so copy or export it again"
+
+
+def listed(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "nothing"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
