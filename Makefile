@@ -1,10 +1,10 @@
-# Two commands on a fresh machine: `make main` (the main job) and `make test` (the whole suite).
+# Two commands on a fresh machine: `make main` (the main job) and `make test` (lint, then the whole suite).
 # Each creates the virtual environment and installs the pinned dependencies first, once.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: main test setup clean
+.PHONY: main test lint format setup clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,15 @@ main: setup
 		"In the beginning God created the heavens and the earth." \
 		"The light shines in the darkness."
 
-test: setup
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+format: setup
+	$(BIN)/ruff check --fix src tests benchmarks
+	$(BIN)/ruff format src tests benchmarks
+
+test: setup lint
 	$(BIN)/python -m pytest
 
 clean:

@@ -53,6 +53,7 @@ def busy_processes(interval: float = 0.5, min_share: float = 0.1) -> str:
 
     The load average cannot tell the benchmark's own threads from a competitor; this names the competitors.
     """
+
     def snapshot() -> dict[int, tuple[str, int]]:
         ticks = {}
         for entry in os.listdir("/proc"):

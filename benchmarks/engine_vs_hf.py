@@ -41,7 +41,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import (  # noqa: E402
-    agreeing_prefix, alternating_timing, load_report, machine_info, median, median_seconds, set_threads,
+    agreeing_prefix,
+    alternating_timing,
+    load_report,
+    machine_info,
+    median,
+    median_seconds,
+    set_threads,
 )
 from conftest import smollm2_path  # noqa: E402
 
@@ -116,8 +122,9 @@ def workload(tokenizer, n_requests: int, seed: int = 0) -> list[tuple[list[int],
 
 def run_engine_workload(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[str, float]:
     start = time.perf_counter()
-    ids = {engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)): m
-           for p, m in requests}
+    ids = {
+        engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)): m for p, m in requests
+    }
     latency: dict[str, float] = {}
     kv = {"used": 0, "paged": 0, "per_request": 0, "context": 0}  # token-slots, summed over steps
     while engine.has_unfinished():
@@ -132,7 +139,9 @@ def run_engine_workload(engine: Engine, requests: list[tuple[list[int], int]]) -
     total = time.perf_counter() - start
     lat = sorted(latency.values())
     return {
-        "seconds": total, "tok_s": sum(ids.values()) / total, "p50": statistics.median(lat),
+        "seconds": total,
+        "tok_s": sum(ids.values()) / total,
+        "p50": statistics.median(lat),
         "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
         **{f"waste_{k}": 1 - kv["used"] / max(1, v) for k, v in kv.items() if k != "used"},
     }
@@ -158,11 +167,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip-batch1", action="store_true", help="run only parts 2 and 3")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides' weights")
-    parser.add_argument("--serve-with", choices=["float", *QUANT_MODES], default="float",
-                        help="tformer's weights in part 2 (default: the same float weights as HF)")
+    parser.add_argument(
+        "--serve-with",
+        choices=["float", *QUANT_MODES],
+        default="float",
+        help="tformer's weights in part 2 (default: the same float weights as HF)",
+    )
     parser.add_argument("--compile", action="store_true", help="tformer's decode steps through torch.compile")
-    parser.add_argument("--draft", choices=QUANT_MODES, default=None,
-                        help="add a batch-1 row: speculative decoding with this quantized copy as the draft")
+    parser.add_argument(
+        "--draft",
+        choices=QUANT_MODES,
+        default=None,
+        help="add a batch-1 row: speculative decoding with this quantized copy as the draft",
+    )
     parser.add_argument("--speculative-tokens", type=int, default=4, help="draft tokens per step (with --draft)")
     args = parser.parse_args()
     threads = set_threads(args.threads)
@@ -187,16 +204,19 @@ def main() -> None:
         engines[name] = Engine(models[first], tokenizer, config, draft=draft)
         greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
         plain, speculated = (engines[n].generate(prompt, greedy)[0].token_ids for n in (first, name))
-        print(f"greedy tokens: {name} and {first} agree on the first {agreeing_prefix(plain, speculated)} of "
-              f"{len(plain)}")
+        print(
+            f"greedy tokens: {name} and {first} agree on the first {agreeing_prefix(plain, speculated)} of {len(plain)}"
+        )
         if args.dtype == "float32":
             assert plain == speculated, "speculative decoding changed the target's greedy tokens"
     check = engines[first].generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     with torch.inference_mode():
         hf_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    ours, theirs = check[0].token_ids, hf_ids[0, len(prompt):].tolist()
-    print(f"greedy tokens: {first} and HF ({args.dtype}) agree on the first {agreeing_prefix(ours, theirs)} of "
-          f"{len(ours)}")
+    ours, theirs = check[0].token_ids, hf_ids[0, len(prompt) :].tolist()
+    print(
+        f"greedy tokens: {first} and HF ({args.dtype}) agree on the first {agreeing_prefix(ours, theirs)} of "
+        f"{len(ours)}"
+    )
     if args.dtype == "float32":
         assert ours == theirs, "tformer and HF disagree on greedy tokens"
 
@@ -207,8 +227,10 @@ def main() -> None:
         batch1(engines, hf, prompt, args, threads, weights)
         if args.draft:
             stats = engines[name].speculative
-            print(f"{name}: {stats.acceptance_rate:.0%} of {stats.proposed} draft tokens accepted, "
-                  f"{args.speculative_tokens} a step")
+            print(
+                f"{name}: {stats.acceptance_rate:.0%} of {stats.proposed} draft tokens accepted, "
+                f"{args.speculative_tokens} a step"
+            )
     serving(models[first if args.serve_with == "float" else f"tformer {args.serve_with}"], hf, tokenizer, args)
     print(load_report("after"))
 
@@ -219,9 +241,11 @@ def batch1(engines: dict[str, Engine], hf, prompt: list[int], args, threads: int
     alternating_timing(steps, rounds=args.rounds, warmup=1)
     bandwidth, reading = copy_bandwidth(), read_bandwidth()
     hf_ttft, hf_rate = bench.summary("hf")
-    print(f"\n1. batch-1 greedy, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, {threads} threads, "
-          f"median of {args.rounds} rounds; copy bandwidth {bandwidth / 1e9:.1f} GB/s (a pure read: "
-          f"{reading / 1e9:.1f} GB/s, {reading / bandwidth:.0%} of it)")
+    print(
+        f"\n1. batch-1 greedy, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, {threads} threads, "
+        f"median of {args.rounds} rounds; copy bandwidth {bandwidth / 1e9:.1f} GB/s (a pure read: "
+        f"{reading / 1e9:.1f} GB/s, {reading / bandwidth:.0%} of it)"
+    )
     print(f"{'':26s} {'TTFT ms':>9s} {'decode tok/s':>13s} {'vs HF':>7s} {'weights MB':>11s} {'BW share':>9s}")
     for name, m in models.items():
         ttft, rate = bench.summary(name)
@@ -243,12 +267,14 @@ def serving(model, hf, tokenizer, args) -> None:
     }
     alternating_timing(steps, rounds=args.rounds, warmup=0)
     ours, theirs = (_median_run(runs[side]) for side in ("tformer", "hf"))
-    print(f"\n2. {args.requests} requests arriving together (prompts {min(len(p) for p, _ in requests)}-"
-          f"{max(len(p) for p, _ in requests)} tokens, outputs {min(m for _, m in requests)}-"
-          f"{max(m for _, m in requests)} tokens), HF in {args.dtype}, tformer "
-          f"{args.dtype if args.serve_with == 'float' else args.serve_with + ' linear layers, bf16 activations'}; "
-          f"medians of {args.rounds} alternating rounds (tok/s per round, tformer: {_rates(runs['tformer'])}; "
-          f"HF: {_rates(runs['hf'])})")
+    print(
+        f"\n2. {args.requests} requests arriving together (prompts {min(len(p) for p, _ in requests)}-"
+        f"{max(len(p) for p, _ in requests)} tokens, outputs {min(m for _, m in requests)}-"
+        f"{max(m for _, m in requests)} tokens), HF in {args.dtype}, tformer "
+        f"{args.dtype if args.serve_with == 'float' else args.serve_with + ' linear layers, bf16 activations'}; "
+        f"medians of {args.rounds} alternating rounds (tok/s per round, tformer: {_rates(runs['tformer'])}; "
+        f"HF: {_rates(runs['hf'])})"
+    )
     print(f"{'':28s} {'seconds':>8s} {'out tok/s':>10s} {'p50 s':>7s} {'p99 s':>7s}")
     for name, r in [("tformer continuous batching", ours), ("HF static batching", theirs)]:
         print(f"{name:28s} {r['seconds']:8.1f} {r['tok_s']:10.1f} {r['p50']:7.1f} {r['p99']:7.1f}")

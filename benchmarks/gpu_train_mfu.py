@@ -42,9 +42,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from common import machine_info
+from torch import nn
 from train_step import Report  # benchmarks run as scripts: `python benchmarks/gpu_train_mfu.py`
 
 from tformer import ModelConfig, build_model
@@ -84,11 +83,22 @@ class Recipe:
     lr: float
 
 
-RECIPES = {r.name: r for r in (
-    Recipe("gpt2", "gpt2", "tiny-gpt2", batch=16, seq=1024, label_smoothing=0.0, clip_grad=1.0, lr=6e-4),
-    Recipe("transformer-base", "transformer-base", "tiny-transformer", batch=192, seq=128, label_smoothing=0.1,
-           clip_grad=math.inf, lr=7e-4),
-)}
+RECIPES = {
+    r.name: r
+    for r in (
+        Recipe("gpt2", "gpt2", "tiny-gpt2", batch=16, seq=1024, label_smoothing=0.0, clip_grad=1.0, lr=6e-4),
+        Recipe(
+            "transformer-base",
+            "transformer-base",
+            "tiny-transformer",
+            batch=192,
+            seq=128,
+            label_smoothing=0.1,
+            clip_grad=math.inf,
+            lr=7e-4,
+        ),
+    )
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,14 +110,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="sequences per step for every model (default: per recipe)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence for every model (default: per recipe)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="bf16 autocast (default) or plain fp32")
-    p.add_argument("--masks", choices=["ones", "none"], default="ones",
-                   help="ones: all-ones padding masks as the trainer's batches (default); none: no masks")
+    p.add_argument(
+        "--masks",
+        choices=["ones", "none"],
+        default="ones",
+        help="ones: all-ones padding masks as the trainer's batches (default); none: no masks",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--dropout", type=float, default=None, help="dropout for every model (default: the preset's)")
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak dense bf16 TFLOP/s for MFU (default: looked up by GPU name; none on CPU)")
-    p.add_argument("--tiny", action="store_true",
-                   help="tiny presets of the same families, batch 4 x 32 tokens: a smoke test, not a measurement")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak dense bf16 TFLOP/s for MFU (default: looked up by GPU name; none on CPU)",
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny presets of the same families, batch 4 x 32 tokens: a smoke test, not a measurement",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, help="also write the report to this file")
     args = p.parse_args(argv)
@@ -127,8 +148,9 @@ def model_config(recipe: Recipe, args: argparse.Namespace) -> ModelConfig:
     overrides = {} if args.dropout is None else {"dropout": args.dropout, "attn_dropout": args.dropout}
     config = ModelConfig.from_preset(recipe.tiny_preset if args.tiny else recipe.preset, **overrides)
     if batch_shape(recipe, args)[1] > config.max_seq_len:
-        raise SystemExit(f"{recipe.name}: sequences of {batch_shape(recipe, args)[1]} tokens exceed max_seq_len "
-                         f"{config.max_seq_len}")
+        raise SystemExit(
+            f"{recipe.name}: sequences of {batch_shape(recipe, args)[1]} tokens exceed max_seq_len {config.max_seq_len}"
+        )
     return config
 
 
@@ -137,9 +159,11 @@ def batch_shape(recipe: Recipe, args: argparse.Namespace) -> tuple[int, int]:
     return args.batch or batch, args.seq or seq
 
 
-def random_batch(config: ModelConfig, batch: int, seq: int, device: torch.device,
-                 generator: torch.Generator) -> tuple[LMBatch | Seq2SeqBatch, torch.Tensor]:
+def random_batch(
+    config: ModelConfig, batch: int, seq: int, device: torch.device, generator: torch.Generator
+) -> tuple[LMBatch | Seq2SeqBatch, torch.Tensor]:
     """A fixed-shape batch of random ids with no padding, and its labels (computed once)."""
+
     def ids(length: int) -> torch.Tensor:
         return torch.randint(0, config.vocab_size, (batch, length), generator=generator)
 
@@ -166,8 +190,15 @@ def without_masks(batch: LMBatch | Seq2SeqBatch) -> LMBatch | Seq2SeqBatch:
 class TrainStep:
     """tformer's Trainer.train_step on one fixed batch (no gradient accumulation, one process)."""
 
-    def __init__(self, model: nn.Module, batch: LMBatch | Seq2SeqBatch, labels: torch.Tensor, recipe: Recipe,
-                 autocast_dtype: torch.dtype | None, compiled: bool) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: LMBatch | Seq2SeqBatch,
+        labels: torch.Tensor,
+        recipe: Recipe,
+        autocast_dtype: torch.dtype | None,
+        compiled: bool,
+    ) -> None:
         self.model = model
         self.forward_model = torch.compile(model) if compiled else model
         self.batch, self.labels = batch, labels
@@ -257,8 +288,9 @@ def measure(recipe: Recipe, args: argparse.Namespace, device: torch.device) -> M
         torch.cuda.reset_peak_memory_stats(device)
     times, losses = time_steps(step, device, args.warmup, args.steps)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    result = Measurement(recipe.name, config, batch, seq, step.n_tokens, train_flops_per_step(config, batch, seq),
-                         times, losses, peak)
+    result = Measurement(
+        recipe.name, config, batch, seq, step.n_tokens, train_flops_per_step(config, batch, seq), times, losses, peak
+    )
     del step, model, made, labels
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -269,8 +301,10 @@ def measure(recipe: Recipe, args: argparse.Namespace, device: torch.device) -> M
 def device_description(device: torch.device) -> str:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return (f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs, "
-                f"capability {props.major}.{props.minor}; CUDA {torch.version.cuda}")
+        return (
+            f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs, "
+            f"capability {props.major}.{props.minor}; CUDA {torch.version.cuda}"
+        )
     return f"CPU: {machine_info()}"
 
 
@@ -296,16 +330,20 @@ def count(n: float) -> str:
 
 
 def format_table(results: list[Measurement], peak: float | None) -> list[str]:
-    header = (f"{'model':<17} {'params':>8} {'batch x seq':>12} {'tokens/step':>11} {'step ms':>8} {'tokens/s':>10} "
-              f"{'TFLOP/s':>8} {'MFU':>6} {'peak mem GiB':>12}")
+    header = (
+        f"{'model':<17} {'params':>8} {'batch x seq':>12} {'tokens/step':>11} {'step ms':>8} {'tokens/s':>10} "
+        f"{'TFLOP/s':>8} {'MFU':>6} {'peak mem GiB':>12}"
+    )
     lines = [header, "-" * len(header)]
     for r in results:
         mfu = f"{100 * r.flops_per_s / peak:.1f}%" if peak else "-"
         memory = f"{r.peak_memory / 2**30:.2f}" if r.peak_memory is not None else "-"
         params = count(model_info(r.config).n_params)
-        lines.append(f"{r.name:<17} {params:>8} {f'{r.batch} x {r.seq}':>12} {r.tokens_per_step:>11,} "
-                     f"{1e3 * r.step_s:>8.1f} {r.tokens_per_s:>10,.0f} {r.flops_per_s / 1e12:>8.2f} {mfu:>6} "
-                     f"{memory:>12}")
+        lines.append(
+            f"{r.name:<17} {params:>8} {f'{r.batch} x {r.seq}':>12} {r.tokens_per_step:>11,} "
+            f"{1e3 * r.step_s:>8.1f} {r.tokens_per_s:>10,.0f} {r.flops_per_s / 1e12:>8.2f} {mfu:>6} "
+            f"{memory:>12}"
+        )
     return lines
 
 
@@ -317,20 +355,26 @@ def main(argv: list[str] | None = None) -> int:
     out("gpu_train_mfu: tformer training step throughput and MFU" + (" (--tiny: a smoke test)" if args.tiny else ""))
     out(f"device: {device_description(device)}")
     out(f"torch {torch.__version__}; command: {' '.join(sys.argv)}")
-    out(f"step: forward_logits under {'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}, "
+    out(
+        f"step: forward_logits under {'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}, "
         f"label_smoothed_cross_entropy / tokens, backward, grad norm, loss.item(), fused AdamW + scheduler; "
         f"masks {args.masks}; torch.compile {'on' if args.compile else 'off'}; {args.warmup} warmup + "
-        f"{args.steps} timed steps, median step time")
-    out(f"FLOPs: 3 x forward (tformer.info.model_info at the sequence length; attention over full T x T); "
-        f"peak {peak_note}")
+        f"{args.steps} timed steps, median step time"
+    )
+    out(
+        f"FLOPs: 3 x forward (tformer.info.model_info at the sequence length; attention over full T x T); "
+        f"peak {peak_note}"
+    )
     results = []
     for name in args.models:
         result = measure(RECIPES[name], args, device)
         results.append(result)
-        out(f"{name}: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}; step ms min "
+        out(
+            f"{name}: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}; step ms min "
             f"{1e3 * min(result.step_times):.1f} / median {1e3 * result.step_s:.1f} / max "
             f"{1e3 * max(result.step_times):.1f}; {count(result.flops_per_step / result.tokens_per_step)} FLOP "
-            f"per trained token")
+            f"per trained token"
+        )
     out()
     for line in format_table(results, peak):
         out(line)

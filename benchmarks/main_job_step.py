@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from common import alternating_timing, load_report, median, set_threads
+from torch import nn
 from train_step import Report
 from translation_vs_marian import BatchStream, Side, build_data, build_marian, marian_logits, tformer_logits
 
@@ -62,16 +61,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     threads = set_threads(args.threads)
     out = Report(args.output)
-    out.header("train_step --workload main-job: the main recipe's model, tformer vs HF MarianMTModel, "
-               "one training step")
+    out.header(
+        "train_step --workload main-job: the main recipe's model, tformer vs HF MarianMTModel, one training step"
+    )
 
     data = build_data(seed=1, test_sentences=1)
     tok = data.tokenizer
     batches = BatchStream(data)
     config = recipe_model(tok.vocab_size, tok.pad_id)
-    out(f"model ({RECIPE.name}): {config.n_encoder_layers}+{config.n_decoder_layers} layers, d_model {config.d_model}, "
+    out(
+        f"model ({RECIPE.name}): {config.n_encoder_layers}+{config.n_decoder_layers} layers, d_model {config.d_model}, "
         f"{config.n_heads} heads, d_ff {config.d_ff}, {config.norm_placement}-norm, dropout {config.dropout}, "
-        f"vocab {config.vocab_size}; real batches of <= 2048 padded tokens")
+        f"vocab {config.vocab_size}; real batches of <= 2048 padded tokens"
+    )
 
     def tformer(before: bool = False) -> nn.Module:
         torch.manual_seed(0)
@@ -104,13 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     out(header)
     out("-" * len(header))
     for name, t in times.items():
-        out(f"{name:<38} {rate[name]:>12,.0f} {median(t):>16.3f} {rate[name] / before:>9.2f}x "
-            f"{times.cpu_share(name, threads):>9.0%}")
+        out(
+            f"{name:<38} {rate[name]:>12,.0f} {median(t):>16.3f} {rate[name] / before:>9.2f}x "
+            f"{times.cpu_share(name, threads):>9.0%}"
+        )
     best_tformer = max((n for n in rate if n.startswith("tformer")), key=rate.get)
     best_marian = max((n for n in rate if n.startswith("Marian")), key=rate.get)
     out()
-    out(f"tformer best ({best_tformer}) / Marian best ({best_marian}): "
-        f"{rate[best_tformer]:,.0f} / {rate[best_marian]:,.0f} = {rate[best_tformer] / rate[best_marian]:.2f}x")
+    out(
+        f"tformer best ({best_tformer}) / Marian best ({best_marian}): "
+        f"{rate[best_tformer]:,.0f} / {rate[best_marian]:,.0f} = {rate[best_tformer] / rate[best_marian]:.2f}x"
+    )
     out(f"tformer's recipe step against the step before: {rate['tformer bf16 (the recipe)'] / before:.2f}x")
     out(f"target tokens per timed round: {sum(tokens) / len(tokens):,.0f} (mean)")
     out(load_report("at end"))

@@ -79,17 +79,47 @@ def free_port() -> int:
 
 
 def tformer_side(model: Path, port: int, threads: int, max_tokens: int, extra_args: str = "") -> Side:
-    command = [sys.executable, "-m", "tformer", "serve", "--model", str(model), "--port", str(port),
-               *extra_args.split()]
-    return Side(TFORMER, command, "/health", {"ignore_eos": True, "stream_options": {"include_usage": True}},
-                env={"OMP_NUM_THREADS": str(threads)})
+    command = [
+        sys.executable,
+        "-m",
+        "tformer",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        *extra_args.split(),
+    ]
+    return Side(
+        TFORMER,
+        command,
+        "/health",
+        {"ignore_eos": True, "stream_options": {"include_usage": True}},
+        env={"OMP_NUM_THREADS": str(threads)},
+    )
 
 
 def llamacpp_side(model: Path, port: int, threads: int, max_tokens: int) -> Side:
     command = [
-        sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048",
-        "--interrupt_requests", "False", "--verbose", "False",
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_threads",
+        str(threads),
+        "--n_threads_batch",
+        str(threads),
+        "--n_ctx",
+        "2048",
+        "--interrupt_requests",
+        "False",
+        "--verbose",
+        "False",
     ]
     return Side(LLAMACPP, command, "/v1/models", {"min_tokens": max_tokens})
 
@@ -114,8 +144,9 @@ class RunningServer:
         self.side, self.url = side, f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{side.name.replace('.', '')}.log"
         self.log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(side.command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **side.env})
+        self.process = subprocess.Popen(
+            side.command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **side.env}
+        )
 
     def wait_ready(self, timeout: float) -> float:
         """Seconds until `ready_path` answers 200; raises (with the log's tail) if the server dies or times out."""
@@ -165,7 +196,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> 
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue  # blank separators and ': ping' comments
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 break
             chunk = json.loads(data)
@@ -185,6 +216,7 @@ async def run_level(url: str, bodies: list[dict], clients: int) -> tuple[list[Re
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+
         async def one_client() -> None:
             while pending:
                 results.append(await stream_completion(client, url, pending.pop()))
@@ -204,10 +236,14 @@ def level_stats(results: list[RequestResult], wall: float) -> dict[str, float]:
     ok = [r for r in results if r.error is None]
     ttft, latency = [r.ttft for r in ok] or [math.nan], [r.latency for r in ok] or [math.nan]
     return {
-        "req/s": len(ok) / wall, "out tok/s": sum(r.tokens for r in ok) / wall,
-        "TTFT p50 ms": statistics.median(ttft) * 1e3, "TTFT p99 ms": percentile(ttft, 0.99) * 1e3,
-        "e2e p50 s": statistics.median(latency), "e2e p99 s": percentile(latency, 0.99),
-        "tokens": sum(r.tokens for r in ok), "errors": len(results) - len(ok),
+        "req/s": len(ok) / wall,
+        "out tok/s": sum(r.tokens for r in ok) / wall,
+        "TTFT p50 ms": statistics.median(ttft) * 1e3,
+        "TTFT p99 ms": percentile(ttft, 0.99) * 1e3,
+        "e2e p50 s": statistics.median(latency),
+        "e2e p99 s": percentile(latency, 0.99),
+        "tokens": sum(r.tokens for r in ok),
+        "errors": len(results) - len(ok),
     }
 
 
@@ -219,19 +255,25 @@ def print_level(clients: int, n_requests: int, stats: dict[str, dict[str, float]
     print(f"\n{clients} concurrent clients, {n_requests} requests")
     print(f"{'':22s}" + "".join(f"{c:>12s}" for c in COLUMNS))
     for name, row in stats.items():
-        print(f"{name:22s}" + "".join(f"{row[c]:12.2f}" if c not in ("tokens", "errors") else f"{row[c]:12.0f}"
-                                      for c in COLUMNS))
+        print(
+            f"{name:22s}"
+            + "".join(f"{row[c]:12.2f}" if c not in ("tokens", "errors") else f"{row[c]:12.0f}" for c in COLUMNS)
+        )
     if len(stats) == 2:
         ours, theirs = stats[TFORMER], stats[LLAMACPP]
         ratios = [ours[c] / theirs[c] if theirs[c] else math.nan for c in COLUMNS[:6]]
         print(f"{'tformer / llama.cpp':22s}" + "".join(f"{r:11.2f}x" for r in ratios))
-        print(f"{'(better)':22s}" + "".join(f"{'above 1' if c in HIGHER_IS_BETTER else 'below 1':>12s}"
-                                          for c in COLUMNS[:6]))
+        print(
+            f"{'(better)':22s}"
+            + "".join(f"{'above 1' if c in HIGHER_IS_BETTER else 'below 1':>12s}" for c in COLUMNS[:6])
+        )
 
 
 def request_bodies(prompts: list[str], n: int, max_tokens: int, extra: dict) -> list[dict]:
-    return [{"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-             **extra} for i in range(n)]
+    return [
+        {"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "temperature": 0.0, "stream": True, **extra}
+        for i in range(n)
+    ]
 
 
 def benchmark_side(side: Side, port: int, args, prompts: list[str], log_dir: Path) -> dict[int, dict[str, float]]:
@@ -239,20 +281,26 @@ def benchmark_side(side: Side, port: int, args, prompts: list[str], log_dir: Pat
     print(f"\n{side.name}: {' '.join(side.command)}", flush=True)
     server = RunningServer(side, port, log_dir)
     try:
-        print(f"{side.name} ready after {server.wait_ready(args.startup_timeout):.1f} s; {load_report('now')}",
-              flush=True)
+        print(
+            f"{side.name} ready after {server.wait_ready(args.startup_timeout):.1f} s; {load_report('now')}", flush=True
+        )
         for clients in (1, 2):
-            asyncio.run(run_level(server.url, request_bodies(prompts, clients, args.max_tokens, side.extra_body),
-                                  clients))
+            asyncio.run(
+                run_level(server.url, request_bodies(prompts, clients, args.max_tokens, side.extra_body), clients)
+            )
         stats = {}
         for clients in args.levels:
             n = args.requests or max(2 * clients, 8)
-            results, wall = asyncio.run(run_level(server.url, request_bodies(prompts, n, args.max_tokens,
-                                                                             side.extra_body), clients))
+            results, wall = asyncio.run(
+                run_level(server.url, request_bodies(prompts, n, args.max_tokens, side.extra_body), clients)
+            )
             stats[clients] = level_stats(results, wall)
             errors = [r.error for r in results if r.error]
-            print(f"  {clients:3d} clients: {n} requests in {wall:.1f} s"
-                  + (f", {len(errors)} errors, first: {errors[0]}" if errors else ""), flush=True)
+            print(
+                f"  {clients:3d} clients: {n} requests in {wall:.1f} s"
+                + (f", {len(errors)} errors, first: {errors[0]}" if errors else ""),
+                flush=True,
+            )
         return stats
     finally:
         server.stop()
@@ -261,13 +309,16 @@ def benchmark_side(side: Side, port: int, args, prompts: list[str], log_dir: Pat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,8,32", help="concurrent clients per level (default: %(default)s)")
-    parser.add_argument("--requests", type=int, default=0,
-                        help="requests per level (default: 2 per client, at least 8)")
+    parser.add_argument(
+        "--requests", type=int, default=0, help="requests per level (default: 2 per client, at least 8)"
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default: %(default)s)")
     parser.add_argument("--prompts", type=int, default=16, help="different prompts (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="each server's compute threads (default: %(default)s)")
     parser.add_argument("--sides", default="tformer,llama.cpp", help="servers to run, in this order")
-    parser.add_argument("--tformer-args", default="", help='extra `tformer serve` flags, e.g. "--quantize int4 --compile"')
+    parser.add_argument(
+        "--tformer-args", default="", help='extra `tformer serve` flags, e.g. "--quantize int4 --compile"'
+    )
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     args = parser.parse_args()
     args.levels = [int(n) for n in args.levels.split(",") if n]
@@ -284,8 +335,10 @@ def main() -> None:
             side = builders[name](model, port, args.threads, args.max_tokens)
             results[name] = benchmark_side(side, port, args, prompts, Path(log_dir))
 
-    print(f"\nstreaming /v1/completions, greedy, {args.max_tokens} new tokens per request (end-of-sequence "
-          f"suppressed), {len(prompts)} prompts, {args.threads} threads per server, one server at a time;")
+    print(
+        f"\nstreaming /v1/completions, greedy, {args.max_tokens} new tokens per request (end-of-sequence "
+        f"suppressed), {len(prompts)} prompts, {args.threads} threads per server, one server at a time;"
+    )
     print("tokens: tformer's `usage`, llama.cpp's text chunks; TTFT includes the wait for a free slot")
     print(f"tformer serve flags: {args.tformer_args or '(none: fp32 weights, eager)'}")
     for clients in args.levels:

@@ -107,8 +107,12 @@ def first_output(command: list[str], env: dict[str, str] | None = None) -> tuple
 def serve_ready(gguf: Path, port: int) -> float:
     """Seconds from starting `tformer serve` until /health answers 200; the server is stopped afterwards."""
     start = time.perf_counter()
-    proc = subprocess.Popen([str(BIN / "tformer"), "serve", "--model", str(gguf), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    proc = subprocess.Popen(
+        [str(BIN / "tformer"), "serve", "--model", str(gguf), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
     try:
         while True:
             if proc.poll() is not None:
@@ -157,8 +161,10 @@ def main() -> int:
     out.header("start-up: tformer against llama-cpp-python and HF transformers (benchmarks/startup.py)")
     gguf = smollm2_path()
     tformer = [str(BIN / "tformer"), "generate", PROMPT, "--model", str(gguf), "--max-tokens", str(NEW_TOKENS)]
-    sides = {"tformer generate": lambda: first_output(tformer)[:2],
-             "  --quantize int4": lambda: first_output([*tformer, "--quantize", "int4"])[:2]}
+    sides = {
+        "tformer generate": lambda: first_output(tformer)[:2],
+        "  --quantize int4": lambda: first_output([*tformer, "--quantize", "int4"])[:2],
+    }
     try:
         import llama_cpp
 
@@ -170,43 +176,62 @@ def main() -> int:
     if not args.skip_hf:
         hf = [sys.executable, "-c", HF_SCRIPT.format(tokens=NEW_TOKENS), str(gguf)]
         sides["transformers"] = lambda: first_output([*hf, PROMPT])[:2]
-    out(f"\ngenerate: '{PROMPT}', {NEW_TOKENS} new tokens, greedy, SmolLM2-135M-Instruct Q4_1 GGUF; "
-        f"seconds from process start, median of {args.runs}")
+    out(
+        f"\ngenerate: '{PROMPT}', {NEW_TOKENS} new tokens, greedy, SmolLM2-135M-Instruct Q4_1 GGUF; "
+        f"seconds from process start, median of {args.runs}"
+    )
     generate = alternate(sides, args.runs)
     ours_first = median([r[0] for r in generate["tformer generate"]])
     out(f"{'':22s}{'first token':>12s}{'exit':>8s}{'first token vs tformer':>24s}")
     for name, results in generate.items():
         first, total = median([r[0] for r in results]), median([r[1] for r in results])
-        out(f"{name:22s}{first:11.2f}s{total:7.2f}s{first / ours_first:23.2f}x   runs: "
-            + " ".join(f"{r[0]:.2f}" for r in results))
+        out(
+            f"{name:22s}{first:11.2f}s{total:7.2f}s{first / ours_first:23.2f}x   runs: "
+            + " ".join(f"{r[0]:.2f}" for r in results)
+        )
 
     info = alternate({"info": lambda: first_output([str(BIN / "tformer"), "info", "gpt2"])[1:2]}, args.runs)
     out(f"\ntformer info gpt2: {median([r[0] for r in info['info']]):.2f} s wall (goal: under 1.5 s)")
     ready = alternate({"serve": lambda: (serve_ready(gguf, free_port()),)}, args.runs)
-    out(f"tformer serve --model GGUF: /health 200 after {median([r[0] for r in ready['serve']]):.2f} s "
-        "(goal: within 3 s)")
+    out(
+        f"tformer serve --model GGUF: /health 200 after {median([r[0] for r in ready['serve']]):.2f} s "
+        "(goal: within 3 s)"
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         converted = Path(tmp) / "smollm2"
-        subprocess.run([str(BIN / "tformer"), "convert", str(gguf), "--out", str(converted)], check=True,
-                       capture_output=True)
-        loads = alternate({"load": lambda: (json.loads(first_output(
-            [sys.executable, "-c", LOAD_SCRIPT.format(), str(converted)])[2].splitlines()[-1]),)}, args.runs)
+        subprocess.run(
+            [str(BIN / "tformer"), "convert", str(gguf), "--out", str(converted)], check=True, capture_output=True
+        )
+        loads = alternate(
+            {
+                "load": lambda: (
+                    json.loads(
+                        first_output([sys.executable, "-c", LOAD_SCRIPT.format(), str(converted)])[2].splitlines()[-1]
+                    ),
+                )
+            },
+            args.runs,
+        )
         stats = [r[0] for r in loads["load"]]
         weights = stats[0]["weights"]
-        out(f"load_pretrained(converted tformer checkpoint): {median([s['seconds'] for s in stats]):.3f} s "
+        out(
+            f"load_pretrained(converted tformer checkpoint): {median([s['seconds'] for s in stats]):.3f} s "
             f"(goal: under 1 s); after reading every weight, resident memory grew "
             f"{median([s['rss'] for s in stats]) / weights:.2f}x the weights' {weights / 2**20:.0f} MiB "
-            f"(peak {median([s['peak'] for s in stats]) / weights:.2f}x; goal: at most 1.2x)")
+            f"(peak {median([s['peak'] for s in stats]) / weights:.2f}x; goal: at most 1.2x)"
+        )
 
     if args.compile:
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
             cold = first_output([*tformer, "--compile"], env)
             warm = first_output([*tformer, "--compile"], env)
-        out(f"\ntformer generate --compile (the first token comes from the eager prefill; decode steps compile): "
+        out(
+            f"\ntformer generate --compile (the first token comes from the eager prefill; decode steps compile): "
             f"first token / exit after {cold[0]:.1f} / {cold[1]:.1f} s with an empty inductor cache, "
-            f"{warm[0]:.1f} / {warm[1]:.1f} s with the cache the first run left")
+            f"{warm[0]:.1f} / {warm[1]:.1f} s with the cache the first run left"
+        )
     out(f"\noutput of the last tformer generate: {first_output(tformer)[2]!r}")
     out("load after: " + os.popen("uptime").read().strip())
     out.save()

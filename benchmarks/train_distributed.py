@@ -52,7 +52,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
-
 from common import busy_processes, load_report, machine_info, median, uptime, wait_for_idle
 from train_step import Report, source_state
 
@@ -83,45 +82,84 @@ class Strategy:
     threads: int | None = None  # torch threads per rank; None: the cores shared out evenly (--threads / ranks)
 
 
-STRATEGIES = {s.key: s for s in (
-    Strategy("single", "1 process", 1),
-    Strategy("single-1t", "1 process, 1 thr", 1, threads=1),  # what one rank's core does alone
-    Strategy("ddp", "ddp", 2, ("train.parallel=ddp",)),
-    Strategy("fsdp", "fsdp (full)", 2, ("train.parallel=fsdp", "train.fsdp_sharding=full")),
-    Strategy("fsdp-grad-op", "fsdp (grad-op)", 2, ("train.parallel=fsdp", "train.fsdp_sharding=grad-op")),
-    Strategy("tp", "tp", 2, ("train.parallel=tp",)),
-    Strategy("fsdp+tp", "fsdp+tp", 4, ("train.parallel=fsdp+tp", "train.tp_size=2")),
-)}
+STRATEGIES = {
+    s.key: s
+    for s in (
+        Strategy("single", "1 process", 1),
+        Strategy("single-1t", "1 process, 1 thr", 1, threads=1),  # what one rank's core does alone
+        Strategy("ddp", "ddp", 2, ("train.parallel=ddp",)),
+        Strategy("fsdp", "fsdp (full)", 2, ("train.parallel=fsdp", "train.fsdp_sharding=full")),
+        Strategy("fsdp-grad-op", "fsdp (grad-op)", 2, ("train.parallel=fsdp", "train.fsdp_sharding=grad-op")),
+        Strategy("tp", "tp", 2, ("train.parallel=tp",)),
+        Strategy("fsdp+tp", "fsdp+tp", 4, ("train.parallel=fsdp+tp", "train.tp_size=2")),
+    )
+}
 DEFAULT_STRATEGIES = "single,ddp,fsdp,fsdp-grad-op,tp"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                   help=f"comma-separated, from: {', '.join(STRATEGIES)} (default {DEFAULT_STRATEGIES})")
+    p.add_argument(
+        "--strategies",
+        default=DEFAULT_STRATEGIES,
+        help=f"comma-separated, from: {', '.join(STRATEGIES)} (default {DEFAULT_STRATEGIES})",
+    )
     p.add_argument("--steps", type=int, default=30, help="measured training steps per strategy (default 30)")
-    p.add_argument("--log-every", type=int, default=5,
-                   help="steps per tokens/s window; the first is warm-up (default 5)")
-    p.add_argument("--profile-steps", type=int, default=3,
-                   help="loop iterations profiled after the measured steps for the comm share; 0: none (default 3)")
-    p.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE,
-                   help="recipe giving model and data (default %(default)s)")
+    p.add_argument(
+        "--log-every", type=int, default=5, help="steps per tokens/s window; the first is warm-up (default 5)"
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=3,
+        help="loop iterations profiled after the measured steps for the comm share; 0: none (default 3)",
+    )
+    p.add_argument(
+        "--recipe", type=Path, default=DEFAULT_RECIPE, help="recipe giving model and data (default %(default)s)"
+    )
     p.add_argument("--preset", default=None, help="train this model preset instead of the recipe's model section")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="recipe override, repeatable, e.g. --set model.d_model=512 --set train.max_len=60")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="recipe override, repeatable, e.g. --set model.d_model=512 --set train.max_len=60",
+    )
     p.add_argument("--max-tokens", type=int, default=2048, help="token budget per batch (default 2048)")
-    p.add_argument("--grad-accum", type=int, default=2,
-                   help="batches per step (global batch = grad_accum x max_tokens), a multiple of the dp ranks "
-                        "(default 2)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="cores to use: the single process gets all, each of N ranks threads // N (default: all)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="runs per strategy, in alternating order; the table pools their windows (default 1)")
-    p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
-                   help="before each run, wait up to this long for other busy processes to finish (default 0)")
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=2,
+        help="batches per step (global batch = grad_accum x max_tokens), a multiple of the dp ranks (default 2)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="cores to use: the single process gets all, each of N ranks threads // N (default: all)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs per strategy, in alternating order; the table pools their windows (default 1)",
+    )
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each run, wait up to this long for other busy processes to finish (default 0)",
+    )
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds before a configuration is abandoned")
-    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
-                   help="run in DIR and keep the out_dirs and logs (default: a temporary directory)")
+    p.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run in DIR and keep the out_dirs and logs (default: a temporary directory)",
+    )
     p.add_argument("--output", type=Path, default=None, help="also write the report to this file")
     # worker mode: one training process, started by this script (alone or under torchrun)
     p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -200,9 +238,14 @@ class CommProbe:
         self.profiler.stop()
         intervals, per_name = collective_intervals(self.profiler.events(), window_us)
         comm_us = covered_length(intervals)
-        self.result = {"steps": self.n_steps, "window_s": window_us / 1e6, "comm_s": comm_us / 1e6,
-                       "share": comm_us / window_us, "tokens_per_s": self.tokens / (window_us / 1e6),
-                       "ms_per_op": per_name}
+        self.result = {
+            "steps": self.n_steps,
+            "window_s": window_us / 1e6,
+            "comm_s": comm_us / 1e6,
+            "share": comm_us / window_us,
+            "tokens_per_s": self.tokens / (window_us / 1e6),
+            "ms_per_op": per_name,
+        }
 
 
 def run_worker(recipe: Path, measured_steps: int, profile_steps: int) -> None:
@@ -262,9 +305,16 @@ def base_recipe(args: argparse.Namespace) -> dict:
     recipe = read_config_file(args.recipe)
     model = {"preset": args.preset} if args.preset else dict(recipe.get("model") or {})
     train = dict(recipe.get("train") or {})
-    train.update(max_tokens=args.max_tokens, grad_accum=args.grad_accum, log_every=args.log_every,
-                 max_steps=args.steps + args.profile_steps + (1 if args.profile_steps else 0),
-                 time_budget=0.0, eval_every=NEVER, save_every=NEVER, keep_last=1)
+    train.update(
+        max_tokens=args.max_tokens,
+        grad_accum=args.grad_accum,
+        log_every=args.log_every,
+        max_steps=args.steps + args.profile_steps + (1 if args.profile_steps else 0),
+        time_budget=0.0,
+        eval_every=NEVER,
+        save_every=NEVER,
+        keep_last=1,
+    )
     return {"model": model, "train": train}
 
 
@@ -276,8 +326,10 @@ def write_recipe(directory: Path, recipe: dict, overrides: list[str]) -> tuple[P
     draft = directory / RECIPE_FILE
     draft.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
     model_config, train_config = load_recipe(draft, overrides)
-    draft.write_text(yaml.safe_dump({"model": model_config.to_dict(), "train": train_config.to_dict()},
-                                    sort_keys=False), encoding="utf-8")
+    draft.write_text(
+        yaml.safe_dump({"model": model_config.to_dict(), "train": train_config.to_dict()}, sort_keys=False),
+        encoding="utf-8",
+    )
     return draft, model_config, train_config
 
 
@@ -299,18 +351,35 @@ def prepare_tokenizer(root: Path, recipe: dict, overrides: list[str]) -> tuple[P
     _, model_config, train_config = write_recipe(directory, recipe, [*overrides, f"train.out_dir={directory}"])
     check_lengths(model_config, train_config)
     tokenizer = prepare_data(train_config, directory).tokenizer
-    model_config = replace(model_config, vocab_size=tokenizer.vocab_size, tgt_vocab_size=None,
-                           pad_token_id=tokenizer.pad_id)
+    model_config = replace(
+        model_config, vocab_size=tokenizer.vocab_size, tgt_vocab_size=None, pad_token_id=tokenizer.pad_id
+    )
     return directory / FILE_NAME, model_config, train_config
 
 
 def launch_command(strategy: Strategy, recipe: Path, args: argparse.Namespace) -> list[str]:
-    worker = [str(Path(__file__).resolve()), "--worker", str(recipe), "--steps", str(args.steps),
-              "--log-every", str(args.log_every), "--profile-steps", str(args.profile_steps)]
+    worker = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        str(recipe),
+        "--steps",
+        str(args.steps),
+        "--log-every",
+        str(args.log_every),
+        "--profile-steps",
+        str(args.profile_steps),
+    ]
     if strategy.ranks == 1:
         return [sys.executable, *worker]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(strategy.ranks),
-            *worker]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(strategy.ranks),
+        *worker,
+    ]
 
 
 def run_strategy(outcome: Outcome, root: Path, recipe: dict, tokenizer: Path, args: argparse.Namespace) -> str:
@@ -336,8 +405,10 @@ def run_strategy(outcome: Outcome, root: Path, recipe: dict, tokenizer: Path, ar
     outcome.windows += windows
     if outcome.first_loss is None:
         outcome.first_loss = first_loss
-    ranks = {int(p.stem.removeprefix("comm-rank")): json.loads(p.read_text(encoding="utf-8"))
-             for p in out_dir.glob("comm-rank*.json")}
+    ranks = {
+        int(p.stem.removeprefix("comm-rank")): json.loads(p.read_text(encoding="utf-8"))
+        for p in out_dir.glob("comm-rank*.json")
+    }
     if ranks:
         outcome.comm.append(ranks)
     share = f", comm share {ranks[0]['share']:.0%}" if 0 in ranks else ""
@@ -366,8 +437,9 @@ def run_logged(command: list[str], env: dict[str, str], log: Path, timeout: floa
     Ctrl-C or when this script is terminated, the command gets SIGTERM (torchrun passes it on to its ranks, which
     run in process groups of their own), then SIGKILL if it is still there after `STOP_GRACE_S`."""
     with open(log, "w", encoding="utf-8") as f:
-        process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                   start_new_session=True)  # a Ctrl-C in the terminal reaches this script only
+        process = subprocess.Popen(
+            command, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )  # a Ctrl-C in the terminal reaches this script only
         try:
             return process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -388,8 +460,11 @@ def stop(process: subprocess.Popen) -> None:
 
 
 def log_tail(log: Path, n: int = 12) -> list[str]:
-    lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines()
-             if line.strip() and "train:" not in line and not line.startswith("USDT")]
+    lines = [
+        line
+        for line in log.read_text(encoding="utf-8", errors="replace").splitlines()
+        if line.strip() and "train:" not in line and not line.startswith("USDT")
+    ]
     return ["    " + line for line in lines[-n:]]
 
 
@@ -405,8 +480,10 @@ def read_metrics(metrics: Path, measured_steps: int) -> tuple[list[float], float
 # ---- the report -----------------------------------------------------------------------------------------
 def table(outcomes: list[Outcome]) -> list[str]:
     baseline = next((o.tokens_per_s for o in outcomes if o.strategy.key == "single" and o.tokens_per_s), None)
-    header = (f"{'strategy':<16} {'ranks x threads':>15} {'tokens/s':>9} {'min-max':>11} {'vs 1 process':>12} "
-              f"{'comm share':>10} {'loss w1':>8} {'run s':>6} {'others':>6}")
+    header = (
+        f"{'strategy':<16} {'ranks x threads':>15} {'tokens/s':>9} {'min-max':>11} {'vs 1 process':>12} "
+        f"{'comm share':>10} {'loss w1':>8} {'run s':>6} {'others':>6}"
+    )
     lines = [header, "-" * len(header)]
     for o in outcomes:
         shape = f"{o.strategy.ranks} x {o.threads_per_rank}"
@@ -416,8 +493,10 @@ def table(outcomes: list[Outcome]) -> list[str]:
         spread = f"{min(o.windows):.0f}-{max(o.windows):.0f}"
         ratio = f"{o.tokens_per_s / baseline:.2f}x" if baseline else "-"
         share = f"{o.comm_share:.0%}" if o.comm_share is not None else "-"
-        lines.append(f"{o.strategy.label:<16} {shape:>15} {o.tokens_per_s:>9.0f} {spread:>11} {ratio:>12} "
-                     f"{share:>10} {o.first_loss:>8.3f} {median(o.run_seconds):>6.0f} {max(o.other_cores):>6.2f}")
+        lines.append(
+            f"{o.strategy.label:<16} {shape:>15} {o.tokens_per_s:>9.0f} {spread:>11} {ratio:>12} "
+            f"{share:>10} {o.first_loss:>8.3f} {median(o.run_seconds):>6.0f} {max(o.other_cores):>6.2f}"
+        )
     return lines
 
 
@@ -426,20 +505,26 @@ def comm_details(outcome: Outcome, top: int = 3) -> str:
     runs = "; ".join(", ".join(f"rank {r} {c['share']:.0%}" for r, c in sorted(run.items())) for run in outcome.comm)
     ops = sorted(outcome.comm[0].get(0, {}).get("ms_per_op", {}).items(), key=lambda kv: -kv[1])[:top]
     named = ", ".join(f"{name} {ms:.0f} ms" for name, ms in ops) or "none"
-    return (f"{outcome.strategy.label}: comm share by run and rank: {runs}. The profiled iterations ran at "
-            f"{outcome.profiled_tokens_per_s:.0f} tokens/s against {outcome.tokens_per_s:.0f} unprofiled (the "
-            f"profiler's cost plus batch-to-batch variation). Rank 0's top collectives over "
-            f"{outcome.comm[0][0]['steps']} iterations (summed, may nest): {named}")
+    return (
+        f"{outcome.strategy.label}: comm share by run and rank: {runs}. The profiled iterations ran at "
+        f"{outcome.profiled_tokens_per_s:.0f} tokens/s against {outcome.tokens_per_s:.0f} unprofiled (the "
+        f"profiler's cost plus batch-to-batch variation). Rank 0's top collectives over "
+        f"{outcome.comm[0][0]['steps']} iterations (summed, may nest): {named}"
+    )
 
 
 def describe_model(config: object) -> str:
     from tformer.info import model_info
 
-    layers = [f"{config.n_encoder_layers} encoder" if config.has_encoder else "",
-              f"{config.n_decoder_layers} decoder" if config.has_decoder else ""]
-    return (f"{config.family}, d_model {config.d_model}, {config.n_heads} heads, d_ff {config.d_ff}, "
-            f"{' + '.join(filter(None, layers))} layers, vocab {config.vocab_size}, "
-            f"{model_info(config).n_params:,} parameters")
+    layers = [
+        f"{config.n_encoder_layers} encoder" if config.has_encoder else "",
+        f"{config.n_decoder_layers} decoder" if config.has_decoder else "",
+    ]
+    return (
+        f"{config.family}, d_model {config.d_model}, {config.n_heads} heads, d_ff {config.d_ff}, "
+        f"{' + '.join(filter(None, layers))} layers, vocab {config.vocab_size}, "
+        f"{model_info(config).n_params:,} parameters"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -458,8 +543,10 @@ def main(argv: list[str] | None = None) -> int:
     out(f"NOTE: {SPEEDUP_CAVEAT}")
     recipe = base_recipe(args)
     root = args.keep or Path(tempfile.mkdtemp(prefix="tformer-train-distributed-"))
-    outcomes = {key: Outcome(STRATEGIES[key], STRATEGIES[key].threads or max(1, args.threads // STRATEGIES[key].ranks))
-                for key in args.strategies}
+    outcomes = {
+        key: Outcome(STRATEGIES[key], STRATEGIES[key].threads or max(1, args.threads // STRATEGIES[key].ranks))
+        for key in args.strategies
+    }
     try:
         started = time.perf_counter()
         tokenizer, model_config, train_config = prepare_tokenizer(root, recipe, args.overrides)
@@ -472,21 +559,27 @@ def main(argv: list[str] | None = None) -> int:
                     out(f"waited {waited:.0f} s for other processes to go quiet; still busy: {busy}")
                 outcome = outcomes[key]
                 result = run_strategy(outcome, root, recipe, tokenizer, args)
-                out(f"round {round_ + 1}, {outcome.strategy.label}: {result} (run {outcome.run_seconds[-1]:.0f} s); "
-                    f"{load_report('after')}")
+                out(
+                    f"round {round_ + 1}, {outcome.strategy.label}: {result} (run {outcome.run_seconds[-1]:.0f} s); "
+                    f"{load_report('after')}"
+                )
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
     out()
     for line in table(list(outcomes.values())):
         out(line)
-    out("tokens/s: target tokens of the global batch per second of training, median of the windows of all rounds; "
+    out(
+        "tokens/s: target tokens of the global batch per second of training, median of the windows of all rounds; "
         "comm share: rank 0's time with a collective in flight / wall time of the profiled iterations (an upper "
         "bound: collectives that overlap compute count in full); run s: the whole subprocess, startup included; "
         "others: the most CPU other processes used during one of its runs, in cores (from /proc/stat less this "
-        "script's children); well above 0: the run shared its cores, its tokens/s may be low")
-    out("loss w1: mean loss of the first window; the same global batches and seed give about the same loss "
-        "(dropout masks differ between data-parallel layouts)")
+        "script's children); well above 0: the run shared its cores, its tokens/s may be low"
+    )
+    out(
+        "loss w1: mean loss of the first window; the same global batches and seed give about the same loss "
+        "(dropout masks differ between data-parallel layouts)"
+    )
     for outcome in outcomes.values():
         if outcome.comm and outcome.strategy.ranks > 1:
             out(comm_details(outcome))
@@ -497,19 +590,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if not any(o.errors for o in outcomes.values()) else 1
 
 
-def describe_settings(out: Report, args: argparse.Namespace, model_config: object, train_config: object,
-                      tokenizer_s: float) -> None:
+def describe_settings(
+    out: Report, args: argparse.Namespace, model_config: object, train_config: object, tokenizer_s: float
+) -> None:
     source = f"recipe {args.recipe}" + (f", preset {args.preset}" if args.preset else "")
     overrides = f"; {' '.join(args.overrides)}" if args.overrides else ""
     out(f"model: {describe_model(model_config)} ({source}{overrides})")
-    out(f"data: {train_config.corpus} ({train_config.objective}), vocab {train_config.vocab_size}, max_len "
+    out(
+        f"data: {train_config.corpus} ({train_config.objective}), vocab {train_config.vocab_size}, max_len "
         f"{train_config.max_len}; global batch = grad_accum {train_config.grad_accum} x max_tokens "
         f"{train_config.max_tokens} = {train_config.grad_accum * train_config.max_tokens} padded tokens a step "
-        f"for every strategy; bf16 {train_config.bf16}, optimizer {train_config.optimizer}")
-    out(f"runs: {args.rounds} round(s), order reversed every other round; each run trains {args.steps} measured "
+        f"for every strategy; bf16 {train_config.bf16}, optimizer {train_config.optimizer}"
+    )
+    out(
+        f"runs: {args.rounds} round(s), order reversed every other round; each run trains {args.steps} measured "
         f"steps (tokens/s logged every {args.log_every}, the first window dropped as warm-up), then "
         f"{args.profile_steps} profiled; the tokenizer was trained once ({tokenizer_s:.0f} s) and is copied into "
-        f"every run; threads: --threads {args.threads} shared out evenly between the ranks (OMP_NUM_THREADS)")
+        f"every run; threads: --threads {args.threads} shared out evenly between the ranks (OMP_NUM_THREADS)"
+    )
     out()
 
 

@@ -26,8 +26,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from common import (  # benchmarks run as scripts: `python benchmarks/train_step.py`
     alternating_timing,
     busy_processes,
@@ -40,6 +38,7 @@ from common import (  # benchmarks run as scripts: `python benchmarks/train_step
     set_threads,
     wait_for_idle,
 )
+from torch import nn
 
 from tformer import ModelConfig, build_model
 
@@ -59,12 +58,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
     p.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32 (plain), bf16 (CPU autocast)")
-    p.add_argument("--optimizer", choices=["auto", "fused", "foreach", "for-loop"], default="auto",
-                   help="AdamW implementation for both models; auto: fused if it works here, else foreach")
+    p.add_argument(
+        "--optimizer",
+        choices=["auto", "fused", "foreach", "for-loop"],
+        default="auto",
+        help="AdamW implementation for both models; auto: fused if it works here, else foreach",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: os.cpu_count())")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
-                   help="before timing, wait up to this long for other busy processes to finish (default 0)")
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before timing, wait up to this long for other busy processes to finish (default 0)",
+    )
     p.add_argument("--output", type=Path, default=None, help="also write the report to this file")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -88,8 +96,15 @@ def build_hf() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
+        n_embd=768,
+        n_layer=12,
+        n_head=12,
+        n_positions=1024,
+        vocab_size=50257,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        summary_first_dropout=0.0,
     )
     model = GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
     assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
@@ -225,11 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     out.header("train_step: tformer GPT-2 small vs HF GPT2LMHeadModel (sdpa), one training step, CPU")
     if args.wait_idle > 0:
         waited, busy = wait_for_idle(args.wait_idle)
-        out(f"waited {waited:.0f}s for other processes to go quiet (--wait-idle {args.wait_idle:g}); still busy: {busy}")
+        out(
+            f"waited {waited:.0f}s for other processes to go quiet (--wait-idle {args.wait_idle:g}); still busy: {busy}"
+        )
 
     for name in args.dtypes:
-        out(f"matmul peak {name} before: {fmt_rate(matmul_peak(PEAK_DTYPES[name]))} "
-            f"(2048x2048 @ 2048x2048, median of 10)")
+        out(
+            f"matmul peak {name} before: {fmt_rate(matmul_peak(PEAK_DTYPES[name]))} "
+            f"(2048x2048 @ 2048x2048, median of 10)"
+        )
 
     torch.manual_seed(args.seed)
     tf, hf = build_tformer(args.seq), build_hf()
@@ -254,16 +273,24 @@ def main(argv: list[str] | None = None) -> int:
     if abs(l_tf - l_hf) > 1e-3 * max(1.0, abs(l_hf)):
         raise SystemExit(f"the two models disagree after the weight copy: loss {l_tf:.5f} vs {l_hf:.5f}")
 
-    out(f"params: tformer {n_params(tf):,}, HF {n_params(hf):,} (tied LM head); same weights, "
-        f"fp32 loss {l_tf:.4f} vs {l_hf:.4f}")
+    out(
+        f"params: tformer {n_params(tf):,}, HF {n_params(hf):,} (tied LM head); same weights, "
+        f"fp32 loss {l_tf:.4f} vs {l_hf:.4f}"
+    )
     out(f"batch {B} x {T} = {tokens} tokens/step; AdamW(lr=1e-4, {impl}) for both ({impl_note})")
-    out("step = forward + cross-entropy (shifted labels, same code both sides) + backward + AdamW step "
-        "+ zero_grad(set_to_none=True)")
-    out(f"FLOPs: {FLOP_NOTE} (as `tformer info`); matmul weights {weights:,} -> {flops_tok / 1e6:.1f} "
-        f"MFLOP/token at T={T}")
-    out(f"timing: {args.warmup} warmup + {args.steps} timed steps per model and dtype, tformer and HF "
+    out(
+        "step = forward + cross-entropy (shifted labels, same code both sides) + backward + AdamW step "
+        "+ zero_grad(set_to_none=True)"
+    )
+    out(
+        f"FLOPs: {FLOP_NOTE} (as `tformer info`); matmul weights {weights:,} -> {flops_tok / 1e6:.1f} "
+        f"MFLOP/token at T={T}"
+    )
+    out(
+        f"timing: {args.warmup} warmup + {args.steps} timed steps per model and dtype, tformer and HF "
         f"alternating step by step (order swapped every other round); medians. Each round also times two "
-        f"2048^3 matmuls: their median is the peak for '% of peak', measured under the same load as the steps")
+        f"2048^3 matmuls: their median is the peak for '% of peak', measured under the same load as the steps"
+    )
     out()
 
     results, peaks = [], {}
@@ -283,24 +310,32 @@ def main(argv: list[str] | None = None) -> int:
         tps = {k: tokens / v for k, v in med.items()}
         pct = {k: 100 * tps[k] * flops_tok / peaks[name] for k in tps}
         results.append((name, med, tps, pct, times, losses))
-        out(f"{name}: step seconds tformer {_spread(times['tformer'])}, HF {_spread(times['HF'])}; "
-            f"last loss tformer {losses['tformer'][-1]:.4f}, HF {losses['HF'][-1]:.4f}")
-        out(f"{name}: CPU share (process CPU time / (wall x {threads} threads), median) tformer "
-            f"{times.cpu_share('tformer', threads):.0%}, HF {times.cpu_share('HF', threads):.0%}")
+        out(
+            f"{name}: step seconds tformer {_spread(times['tformer'])}, HF {_spread(times['HF'])}; "
+            f"last loss tformer {losses['tformer'][-1]:.4f}, HF {losses['HF'][-1]:.4f}"
+        )
+        out(
+            f"{name}: CPU share (process CPU time / (wall x {threads} threads), median) tformer "
+            f"{times.cpu_share('tformer', threads):.0%}, HF {times.cpu_share('HF', threads):.0%}"
+        )
         out(load)
         out(f"other busy processes after {name}: {busy_processes()}")
         del steps, opt_tf, opt_hf  # free the optimizer state before the next dtype
 
     out()
-    header = (f"{'dtype':<6} {'tformer tok/s':>13} {'HF tok/s':>9} {'tformer/HF':>10} "
-              f"{'tformer %peak':>13} {'HF %peak':>9} {'tformer s/step':>14} {'HF s/step':>9}  peak used")
+    header = (
+        f"{'dtype':<6} {'tformer tok/s':>13} {'HF tok/s':>9} {'tformer/HF':>10} "
+        f"{'tformer %peak':>13} {'HF %peak':>9} {'tformer s/step':>14} {'HF s/step':>9}  peak used"
+    )
     out(header)
     out("-" * len(header))
     for name, med, tps, pct, _, _ in results:
         label = name if name == "fp32" else f"{name}*"
-        out(f"{label:<6} {tps['tformer']:>13.1f} {tps['HF']:>9.1f} {tps['tformer'] / tps['HF']:>10.3f} "
+        out(
+            f"{label:<6} {tps['tformer']:>13.1f} {tps['HF']:>9.1f} {tps['tformer'] / tps['HF']:>10.3f} "
             f"{pct['tformer']:>12.1f}% {pct['HF']:>8.1f}% {med['tformer']:>14.3f} {med['HF']:>9.3f}  "
-            f"{name} matmul {fmt_rate(peaks[name])} (in-run)")
+            f"{name} matmul {fmt_rate(peaks[name])} (in-run)"
+        )
     if "bf16" in args.dtypes:
         out("* bf16 = torch.autocast('cpu', dtype=torch.bfloat16) around forward and loss; fp32 weights and AdamW")
     out(load_report("at end"))

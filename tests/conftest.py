@@ -1,5 +1,6 @@
 """Fixtures and helpers shared by the test modules: tiny configs, seeded models, token batches, logits, the SmolLM2
-file, and the module-scoped references of the Hugging Face and serving tests (their plain helpers: helpers.py)."""
+file, and the module-scoped references of the Hugging Face and serving tests (their plain helpers: helpers.py,
+hf_cases.py and serve_helpers.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from tformer import ModelConfig, TransformerModel, build_model
 
 if TYPE_CHECKING:
-    from helpers import LiveServer, Offline
+    from serve_helpers import LiveServer, Offline
 
 # one tiny preset per family (tiny-llama adds RMSNorm, SwiGLU, RoPE and GQA to the decoder family)
 FAMILY_PRESETS = {"encoder-decoder": "tiny-transformer", "decoder": "tiny-gpt2", "encoder": "tiny-bert"}
@@ -105,9 +106,9 @@ def smollm2_pretrained() -> tuple[TransformerModel, Any]:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Any, Path]]:
-    """The Hugging Face tests' reference models: case (a key of helpers.CASES) -> (a copy of its transformers model,
+    """The Hugging Face tests' reference models: case (a key of hf_cases.CASES) -> (a copy of its transformers model,
     the directory save_pretrained wrote); each saved once per module."""
-    from helpers import hf_model
+    from hf_cases import hf_model
 
     saved: dict[str, tuple[Any, Path]] = {}
 
@@ -126,7 +127,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tupl
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     """The serving tests' tiny checkpoint: a LLaMA-style decoder with a 64-token context and a chat template."""
-    from helpers import save_tiny_checkpoint
+    from serve_helpers import save_tiny_checkpoint
 
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), max_seq_len=64)
 
@@ -134,7 +135,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def offline(tiny_dir) -> Offline:
     """The serving tests' reference: an offline Engine on its own copy of the tiny checkpoint."""
-    from helpers import Offline
+    from serve_helpers import Offline
 
     return Offline(tiny_dir)
 
@@ -142,7 +143,8 @@ def offline(tiny_dir) -> Offline:
 @pytest.fixture(scope="module")
 def tiny(tiny_dir, one_thread) -> Iterator[LiveServer]:
     """`create_app` on the tiny checkpoint, served by uvicorn in a thread of this process."""
-    from helpers import LiveServer
+    from serve_helpers import LiveServer
+
     from tformer.interop.loading import load_pretrained
 
     server = LiveServer(*load_pretrained(tiny_dir))

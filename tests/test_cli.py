@@ -49,8 +49,15 @@ def test_every_command_has_help():
 
 
 # modules a command that does not train, plot, score or serve must not pay for at start-up
-HEAVY_MODULES = ("tformer.training", "tformer.serve.app", "matplotlib", "sacrebleu", "fastapi", "uvicorn",
-                 "torch.distributed.checkpoint")
+HEAVY_MODULES = (
+    "tformer.training",
+    "tformer.serve.app",
+    "matplotlib",
+    "sacrebleu",
+    "fastapi",
+    "uvicorn",
+    "torch.distributed.checkpoint",
+)
 
 
 def modules_after(code: str, names: tuple[str, ...] = HEAVY_MODULES) -> set[str]:
@@ -95,8 +102,23 @@ def test_generate_streams_what_the_engine_generates(tmp_path, capsys):
     assert main(["generate", "x", "--model", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     # speculative decoding with an INT8 copy of the model as its draft gives the model's own greedy text
-    spec = ["generate", "the cat", "--model", str(tmp_path), "--max-tokens", "6", "--no-chat", "--dtype", "float32",
-            "--draft-model", str(tmp_path), "--draft-quantize", "int8", "--speculative-tokens", "3"]
+    spec = [
+        "generate",
+        "the cat",
+        "--model",
+        str(tmp_path),
+        "--max-tokens",
+        "6",
+        "--no-chat",
+        "--dtype",
+        "float32",
+        "--draft-model",
+        str(tmp_path),
+        "--draft-quantize",
+        "int8",
+        "--speculative-tokens",
+        "3",
+    ]
     assert main(spec) == 0
     assert capsys.readouterr().out == expected + "\n"
     assert main(["generate", "x", "--model", str(tmp_path), "--draft-quantize", "int8"]) == 2
@@ -108,8 +130,24 @@ def test_generate_streams_what_the_engine_generates(tmp_path, capsys):
     served = load_engine(tmp_path, quantize="w8a8", dtype="float32").model
     assert not any(type(m) is torch.nn.Linear for m in served.modules())
     assert sum(isinstance(m, W8A8Linear) for m in served.modules()) == 2 * 7 + 1  # 2 layers of 7, and the head
-    assert main(["generate", "the cat", "--model", str(tmp_path), "--max-tokens", "6", "--no-chat",
-                 "--dtype", "float32", "--quantize", "w8a8"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "the cat",
+                "--model",
+                str(tmp_path),
+                "--max-tokens",
+                "6",
+                "--no-chat",
+                "--dtype",
+                "float32",
+                "--quantize",
+                "w8a8",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == expected + "\n"
     assert main(["generate", "x", "--model", str(tmp_path), "--quantize", "w4a4"]) == 2
     assert "unknown quantization mode 'w4a4'; choose one of: int8, int4, w8a8" in capsys.readouterr().err

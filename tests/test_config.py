@@ -105,7 +105,9 @@ def test_deepnorm_coefficients_match_the_deepnet_paper():
     decoder = ModelConfig(family="decoder", n_decoder_layers=18, norm_placement="deepnorm")
     assert decoder.deepnorm_coefficients("decoder") == pytest.approx((36**0.25, 144**-0.25))
     seq2seq = ModelConfig(n_encoder_layers=6, n_decoder_layers=6, norm_placement="deepnorm")
-    assert seq2seq.deepnorm_coefficients("encoder") == pytest.approx((0.81 * 7776 ** (1 / 16), 0.87 * 7776 ** (-1 / 16)))
+    assert seq2seq.deepnorm_coefficients("encoder") == pytest.approx(
+        (0.81 * 7776 ** (1 / 16), 0.87 * 7776 ** (-1 / 16))
+    )
     assert seq2seq.deepnorm_coefficients("decoder") == pytest.approx((18**0.25, 72**-0.25))
 
 

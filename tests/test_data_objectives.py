@@ -153,8 +153,8 @@ def test_prefix_lm_takes_no_loss_on_the_prefix() -> None:
 def test_random_objectives_are_reproducible(name: str) -> None:
     data = seqs(20, 30)
     a, b, c = ([t for t in vars(OBJECTIVES[name](data, VOCAB, gen(s))).values() if t is not None] for s in (0, 0, 1))
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert any(x.shape != y.shape or not torch.equal(x, y) for x, y in zip(a, c))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert any(x.shape != y.shape or not torch.equal(x, y) for x, y in zip(a, c, strict=True))
 
 
 def test_objective_errors_are_clear() -> None:

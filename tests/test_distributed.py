@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import free_port
 from helpers import write_recipe
+from safetensors.torch import load_file
+
 from tformer.config import ConfigError
 from tformer.models import WEIGHTS_FILE, CheckpointError, build_model, load
 from tformer.training import TrainConfig
@@ -70,8 +70,9 @@ def assert_same_curve(run_dir: Path, reference: Path, steps: range) -> None:
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two batches a step (grad_accum 2), so that 2 data-parallel ranks each train on one."""
-    return write_recipe(tmp_path_factory.mktemp("dist"), max_steps=STEPS, save_every=RESUME_AT, log_every=1,
-                        grad_accum=2, keep_last=5)
+    return write_recipe(
+        tmp_path_factory.mktemp("dist"), max_steps=STEPS, save_every=RESUME_AT, log_every=1, grad_accum=2, keep_last=5
+    )
 
 
 @pytest.fixture(scope="module")
@@ -175,11 +176,26 @@ def test_when_a_rank_dies_or_hangs_the_other_fails_fast_and_the_checkpoint_survi
     port = free_port()
     processes = []
     for rank in (0, 1):
-        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
-        command = [sys.executable, "-m", "tformer", "train", str(recipe), f"train.out_dir={run_dir}",
-                   "train.parallel=fsdp", "train.max_steps=100000", "train.save_every=2",
-                   f"train.dist_timeout={timeout}"]
+        env = {
+            **ENV,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "tformer",
+            "train",
+            str(recipe),
+            f"train.out_dir={run_dir}",
+            "train.parallel=fsdp",
+            "train.max_steps=100000",
+            "train.save_every=2",
+            f"train.dist_timeout={timeout}",
+        ]
         processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     deadline = time.monotonic() + 120
     while not list_checkpoints(run_dir) and time.monotonic() < deadline:
@@ -217,9 +233,13 @@ def test_the_global_batch_must_split_evenly_over_data_parallel_ranks(monkeypatch
 
 @pytest.mark.parametrize(
     ("key", "value", "message"),
-    [("parallel", "zero3", "unknown parallel 'zero3'"), ("fsdp_sharding", "half", "unknown fsdp_sharding"),
-     ("fsdp_param_dtype", "fp8", "unknown fsdp_param_dtype"), ("dist_timeout", 0.0, "dist_timeout must be"),
-     ("tp_size", -1, "tp_size must be")],
+    [
+        ("parallel", "zero3", "unknown parallel 'zero3'"),
+        ("fsdp_sharding", "half", "unknown fsdp_sharding"),
+        ("fsdp_param_dtype", "fp8", "unknown fsdp_param_dtype"),
+        ("dist_timeout", 0.0, "dist_timeout must be"),
+        ("tp_size", -1, "tp_size must be"),
+    ],
 )
 def test_bad_distributed_keys_are_config_errors(key: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_model, tiny_config
 from helpers import DECODERS, prompts_of_mixed_lengths, reference_greedy
+
 from tformer.inference.engine import Engine, EngineConfig
 from tformer.inference.sampling import RequestError, SamplingParams
 from tformer.inference.search import beam_search, beam_search_decoder, greedy_search
@@ -310,8 +310,9 @@ def test_parallel_samples_share_the_prompt_blocks_and_copy_on_write() -> None:
     engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=32))
     samples = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=3))
     assert [s.index for s in samples] == [0, 1, 2]
-    alone = [Engine(model).generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=5 + i))[0]
-             for i in range(3)]
+    alone = [
+        Engine(model).generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=5 + i))[0] for i in range(3)
+    ]
     assert [s.token_ids for s in samples] == [a.token_ids for a in alone]
     assert len({tuple(s.token_ids) for s in samples}) > 1  # different seeds, different samples
     assert engine.num_block_copies == 2  # the two forks each copied the shared partial block once

@@ -7,8 +7,8 @@ from functools import cache
 
 import pytest
 import torch
-
 from helpers import greedy_within_rounding, reference_greedy
+
 from tformer.inference import Engine, EngineConfig, SamplingParams
 from tformer.inference.quantize import quantize, set_precision
 from tformer.inference.speculative import SpeculativeStats, speculative_generate

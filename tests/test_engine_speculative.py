@@ -8,9 +8,9 @@ import itertools
 
 import pytest
 import torch
-
 from conftest import make_model, tiny_config
 from helpers import DECODERS, chi_square, prompts_of_mixed_lengths, reference_greedy, top2_gap
+
 from tformer.config import ConfigError
 from tformer.inference.engine import Engine, EngineConfig
 from tformer.inference.sampling import SamplingParams

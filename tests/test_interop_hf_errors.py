@@ -87,8 +87,11 @@ def test_extra_tensor_is_named(gpt2_dir: Path) -> None:
 
 def test_shape_mismatch_names_tensor_and_both_shapes(gpt2_dir: Path) -> None:
     edit_config(gpt2_dir, vocab_size=97)
-    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor transformer.wte.weight has shape \(96, 32\), "
-                                              r"but config.json implies \(97, 32\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model.safetensors: tensor transformer.wte.weight has shape \(96, 32\), "
+        r"but config.json implies \(97, 32\)",
+    ):
         from_hf(gpt2_dir)
 
 
@@ -103,8 +106,11 @@ def test_corrupt_safetensors_names_the_file(gpt2_dir: Path, damage: str) -> None
 
 def test_pickled_checkpoint_is_refused_with_a_way_to_convert(gpt2_dir: Path) -> None:
     (gpt2_dir / "model.safetensors").rename(gpt2_dir / "pytorch_model.bin")  # never opened: the name is enough
-    with pytest.raises(CheckpointError, match=r"pytorch_model.bin is a pickled PyTorch checkpoint.*convert it to "
-                                              r"model.safetensors"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"pytorch_model.bin is a pickled PyTorch checkpoint.*convert it to "
+        r"model.safetensors",
+    ):
         from_hf(gpt2_dir)
 
 
@@ -123,14 +129,18 @@ UNREPRESENTABLE = [
     ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3' has no tformer"),
     ("llama", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh' has no tformer equivalent"),
     ("bart", {"decoder_attention_heads": 2}, "decoder_attention_heads (2) differs from encoder_attention_heads (4)"),
-    ("marian", {"d_model": 33, "encoder_attention_heads": 3, "decoder_attention_heads": 3},
-     "MarianMTModel: sinusoidal positions pair sin and cos, so d_model must be even, got 33"),
+    (
+        "marian",
+        {"d_model": 33, "encoder_attention_heads": 3, "decoder_attention_heads": 3},
+        "MarianMTModel: sinusoidal positions pair sin and cos, so d_model must be even, got 33",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("case", "changes", "message"), UNREPRESENTABLE)
-def test_config_field_tformer_cannot_represent_is_named(case: str, changes: dict, message: str, checkpoint,
-                                                        tmp_path: Path) -> None:
+def test_config_field_tformer_cannot_represent_is_named(
+    case: str, changes: dict, message: str, checkpoint, tmp_path: Path
+) -> None:
     _, path = checkpoint(case)
     path = Path(shutil.copytree(path, tmp_path / case))
     edit_config(path, **changes)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_model, tiny_config
 
 import tformer.models.init
-from conftest import make_model, tiny_config
 from tformer import TransformerModel, build_model, from_hf, load, to_hf
 from tformer.models import meta_tensors
 
@@ -89,6 +89,7 @@ def test_int4_from_q4_1_keeps_the_files_values_and_serves_like_requantizing() ->
     """INT4 straight from SmolLM2's Q4_1 blocks: each layer's weight is the file's, and the logits match the
     float load quantized afterwards, which finds the same groups here (measured: equal, max |delta| 0.0)."""
     from conftest import smollm2_path
+
     from tformer.inference.quantize import Int4Linear, set_precision
     from tformer.interop.gguf import dequantize_tensor, open_gguf
     from tformer.interop.loading import load_pretrained

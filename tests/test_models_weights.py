@@ -65,8 +65,12 @@ def test_xavier_init_keeps_tied_embeddings_normal_with_std_d_to_minus_half() -> 
 
 @pytest.mark.parametrize(
     ("preset", "overrides"),
-    [("tiny-transformer", {}), ("tiny-gpt2", {}), ("tiny-llama", {"rope_scaling": "yarn", "rope_factor": 2.0}),
-     ("tiny-bert", {"position": "alibi"})],
+    [
+        ("tiny-transformer", {}),
+        ("tiny-gpt2", {}),
+        ("tiny-llama", {"rope_scaling": "yarn", "rope_factor": 2.0}),
+        ("tiny-bert", {"position": "alibi"}),
+    ],
 )
 def test_save_then_load_gives_identical_logits(preset: str, overrides: dict, tmp_path: Path) -> None:
     model = make_model(tiny_config(preset, **overrides))

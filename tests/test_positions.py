@@ -87,8 +87,16 @@ ROPE_SCALINGS = [("none", 1.0), ("linear", 4.0), ("yarn", 8.0)]
 
 def rope_config(scaling: str, factor: float, theta: float = 10000.0, **extra):
     return tiny_config(
-        "tiny-llama", d_model=256, n_heads=4, n_kv_heads=4, rope_theta=theta, rope_scaling=scaling,
-        rope_factor=factor, max_seq_len=16384, rope_original_max_len=4096, **extra,
+        "tiny-llama",
+        d_model=256,
+        n_heads=4,
+        n_kv_heads=4,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_factor=factor,
+        max_seq_len=16384,
+        rope_original_max_len=4096,
+        **extra,
     )
 
 
@@ -116,8 +124,11 @@ def hf_llama_config(config, rope_type: str, **params):
 
     rope = {"rope_type": rope_type, "rope_theta": config.rope_theta, "factor": config.rope_factor, **params}
     return LlamaConfig(
-        hidden_size=config.d_model, num_attention_heads=config.n_heads, head_dim=config.head_dim,
-        max_position_embeddings=config.max_seq_len, rope_parameters=rope,
+        hidden_size=config.d_model,
+        num_attention_heads=config.n_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_seq_len,
+        rope_parameters=rope,
     )
 
 
@@ -155,8 +166,11 @@ def test_rope_yarn_matches_transformers(factor: float, theta: float, betas: tupl
 
     config = rope_config("yarn", factor, theta, yarn_beta_fast=betas[0], yarn_beta_slow=betas[1])
     hf_config = hf_llama_config(
-        config, "yarn", original_max_position_embeddings=config.rope_original_max_len,
-        beta_fast=betas[0], beta_slow=betas[1],
+        config,
+        "yarn",
+        original_max_position_embeddings=config.rope_original_max_len,
+        beta_fast=betas[0],
+        beta_slow=betas[1],
     )
     inv_freq, scale = rope_inv_freq(config)
     hf_inv_freq, hf_scale = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")

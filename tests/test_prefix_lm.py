@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-
 from conftest import make_model, tiny_config
+
 from tformer.data import LMBatch
 from tformer.layers import build_mask
 from tformer.training.evaluate import forward_logits

@@ -32,8 +32,10 @@ def test_every_preset_builds(name):
     with torch.device("meta"):
         model = build_model(config)
     assert model.num_parameters() > 0
-    assert type(model).__name__ == {"encoder-decoder": "EncoderDecoder", "decoder": "DecoderLM",
-                                    "encoder": "EncoderMLM"}[config.family]
+    assert (
+        type(model).__name__
+        == {"encoder-decoder": "EncoderDecoder", "decoder": "DecoderLM", "encoder": "EncoderMLM"}[config.family]
+    )
 
 
 @pytest.mark.parametrize("name, count", RELEASED_COUNTS.items())
@@ -45,14 +47,34 @@ def test_parameter_counts_equal_released_models(name, count):
     "name, model_class, hf_config",
     [
         ("gpt2-medium", transformers.GPT2LMHeadModel, transformers.GPT2Config(n_embd=1024, n_layer=24, n_head=16)),
-        ("llama2-13b", transformers.LlamaForCausalLM, transformers.LlamaConfig(
-            hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40)),
-        ("smollm2-135m", transformers.LlamaForCausalLM, transformers.LlamaConfig(
-            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-            num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)),
+        (
+            "llama2-13b",
+            transformers.LlamaForCausalLM,
+            transformers.LlamaConfig(
+                hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40
+            ),
+        ),
+        (
+            "smollm2-135m",
+            transformers.LlamaForCausalLM,
+            transformers.LlamaConfig(
+                vocab_size=49152,
+                hidden_size=576,
+                intermediate_size=1536,
+                num_hidden_layers=30,
+                num_attention_heads=9,
+                num_key_value_heads=3,
+                tie_word_embeddings=True,
+            ),
+        ),
         ("bert-base", transformers.BertForMaskedLM, transformers.BertConfig()),
-        ("bert-large", transformers.BertForMaskedLM, transformers.BertConfig(
-            hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)),
+        (
+            "bert-large",
+            transformers.BertForMaskedLM,
+            transformers.BertConfig(
+                hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096
+            ),
+        ),
     ],
 )
 def test_parameter_counts_equal_transformers(name, model_class, hf_config):

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import make_model, tiny_config
 from helpers import greedy_within_rounding, reference_greedy
+from torch import nn
+
 from tformer.inference.quantize import Int4Linear, Int8Linear, W8A8Linear, model_bytes, quantize
 
 QUANTIZED = (Int8Linear, Int4Linear, W8A8Linear)
@@ -112,8 +112,17 @@ def test_bf16_activations_match_the_formula_in_float32(mode: str) -> None:
     assert (out.float() - expected).abs().max() <= expected.abs().max() / 64  # a few bf16 ulps, not a wrong weight
 
 
-@pytest.mark.parametrize("mode, dtype", [("int8", "float32"), ("int4", "float32"), ("int8", "bfloat16"),
-                                         ("int4", "bfloat16"), ("w8a8", "float32"), ("w8a8", "bfloat16")])
+@pytest.mark.parametrize(
+    "mode, dtype",
+    [
+        ("int8", "float32"),
+        ("int4", "float32"),
+        ("int8", "bfloat16"),
+        ("int4", "bfloat16"),
+        ("w8a8", "float32"),
+        ("w8a8", "bfloat16"),
+    ],
+)
 def test_engine_serves_a_quantized_model_like_its_uncached_forward(mode: str, dtype: str) -> None:
     from tformer.inference import Engine, EngineConfig, SamplingParams
 

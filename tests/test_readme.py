@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import smollm2_path
 from helpers import reference_greedy
+
 from tformer import ModelConfig, build_model, load
 from tformer.cli import main as tformer_main
 
@@ -55,8 +55,9 @@ def run_snippet(index: int, capsys: pytest.CaptureFixture) -> dict:
     code = blocks("python")[index]
     namespace: dict = {"__name__": "readme"}
     exec(compile(code, f"README.md python block {index}", "exec"), namespace)
-    promised = [line.split("  # ", 1)[1].strip() for line in code.splitlines()
-                if line.startswith("print(") and "  # " in line]
+    promised = [
+        line.split("  # ", 1)[1].strip() for line in code.splitlines() if line.startswith("print(") and "  # " in line
+    ]
     printed = capsys.readouterr().out.splitlines()
     assert [line.strip() for line in printed[: len(promised)]] == promised
     return namespace
@@ -105,8 +106,9 @@ def table_commands() -> dict[str, str]:
 
 
 def test_the_command_table_lists_exactly_the_commands_of_tformer_help() -> None:
-    result = subprocess.run([sys.executable, "-m", "tformer", "--help"], capture_output=True, text=True,
-                            timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "tformer", "--help"], capture_output=True, text=True, timeout=120, check=True
+    )
     listed = result.stdout.split("commands:", 1)[1]
     commands = re.findall(r"^    (\w+)", listed, flags=re.M)  # argparse indents each command by four spaces
     assert commands and sorted(commands) == sorted(table_commands())
@@ -156,7 +158,9 @@ def test_info_prints_what_the_readme_shows_and_the_parameter_formula(capsys) -> 
     total, body = gpt2_parameters(ModelConfig.from_preset("gpt2"))
     assert total == 124_439_808  # the released GPT-2 small checkpoint
     assert re.search(r"^parameters +([\d,]+) \(([\d,]+) without", output, flags=re.M).groups() == (
-        f"{total:,}", f"{body:,}")
+        f"{total:,}",
+        f"{body:,}",
+    )
 
 
 # ---- paths -----------------------------------------------------------------------------------------------------

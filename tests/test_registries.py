@@ -42,6 +42,9 @@ def test_every_ffn_has_its_activation() -> None:
 
 def test_every_config_name_tuple_is_checked_here() -> None:
     """A new *_NAMES tuple in config.py must get its registry above (ROPE_SCALINGS are branches, not a registry)."""
-    tuples = {name for name, value in vars(config).items() if name.isupper() and isinstance(value, tuple)
-              and all(isinstance(v, str) for v in value)}
+    tuples = {
+        name
+        for name, value in vars(config).items()
+        if name.isupper() and isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+    }
     assert tuples - set(PAIRS) == {"ROPE_SCALINGS"}

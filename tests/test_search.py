@@ -10,8 +10,8 @@ import torch
 from conftest import make_model, tiny_config, tokens
 
 from tformer.inference import beam_search, greedy_search, length_penalty, translate_ids
-from tformer.layers.kv_cache import CrossKV
 from tformer.inference.search import beam_search_decoder
+from tformer.layers.kv_cache import CrossKV
 from tformer.models import DecoderLM, EncoderDecoder
 
 BOS, EOS, PAD = 1, 2, 0
@@ -94,7 +94,7 @@ def padded_sources(lengths: list[int], vocab_size: int) -> tuple[torch.Tensor, t
 def reference_greedy(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor, max_len: int, eos: int) -> list:
     """Arg-max decoding one sentence at a time, unpadded, recomputing the whole decoder at every step."""
     results = []
-    for row, row_mask in zip(src, src_mask):
+    for row, row_mask in zip(src, src_mask, strict=True):
         source = row[row_mask.bool()][None]  # (1, S_b)
         prefix = [BOS]
         for _ in range(max_len):
@@ -127,8 +127,9 @@ def test_beam_search_with_one_beam_is_greedy_search(seed: int) -> None:
     assert beam_search(model, src, src_mask, 12, BOS, EOS, beam_size=1, alpha=0.0) == greedy
 
 
-def brute_force_best(log_probs: Callable[[tuple[int, ...]], torch.Tensor], vocab_size: int, max_len: int,
-                     alpha: float) -> tuple[list[int], float]:
+def brute_force_best(
+    log_probs: Callable[[tuple[int, ...]], torch.Tensor], vocab_size: int, max_len: int, alpha: float
+) -> tuple[list[int], float]:
     """The hypothesis beam_search should return if it searched everything, and its margin over the runner-up.
 
     Candidates are every y_1..y_k </s> (k < max_len, no </s> inside), scored log p / lp(k + 1), and every
@@ -216,8 +217,9 @@ def test_beam_search_does_not_stop_while_a_live_beam_can_still_win() -> None:
     # </s> first (p = e^-1) beats x (p = e^-1.2) and stays ahead of x/lp(max_len); but x x is near-certain and
     # is stopped at max_len = 2 with lp(3), where -1.2 / lp(3) > -1 / lp(1): it wins under beam_search's own rule.
     x, alpha, max_len = 3, 1.0, 2
-    model = TableModel({(): {EOS: torch.tensor(-1.0).exp().item(), x: torch.tensor(-1.2).exp().item()},
-                        (x,): {x: 0.999}}, vocab_size=5)
+    model = TableModel(
+        {(): {EOS: torch.tensor(-1.0).exp().item(), x: torch.tensor(-1.2).exp().item()}, (x,): {x: 0.999}}, vocab_size=5
+    )
     expected, margin = brute_force_best(model.log_probs, 5, max_len, alpha)
     assert expected == [x, x] and margin > 1e-3
     src = torch.tensor([[5, 6]])
@@ -275,8 +277,8 @@ def test_decoder_beam_search_with_one_beam_is_uncached_greedy(variant: str) -> N
     prompts, limits = decoder_prompts([5, 1, 8, 3], 8), [8, 6, 9, 7]
     # Call </s> the third token greedy picks after the first prompt, so that rows stop at different steps.
     eos = reference_greedy_decoder(model, prompts[0], 3, eos=-1)[2]
-    expected = [reference_greedy_decoder(model, p, n, eos) for p, n in zip(prompts, limits)]
-    assert any(len(e) < n for e, n in zip(expected, limits)) and len({len(e) for e in expected}) >= 3
+    expected = [reference_greedy_decoder(model, p, n, eos) for p, n in zip(prompts, limits, strict=True)]
+    assert any(len(e) < n for e, n in zip(expected, limits, strict=True)) and len({len(e) for e in expected}) >= 3
     assert beam_search_decoder(model, prompts, limits, eos, beam_size=1, alpha=0.0) == expected
 
 
@@ -291,7 +293,7 @@ def test_a_wide_decoder_beam_finds_the_best_length_penalised_continuation(alpha:
     # Every K-wide beam keeps all 5^2 live prefixes and its 2K candidates hold all 25 * 6 last-step extensions.
     beam = beam_search_decoder(model, prompts, max_new_tokens, EOS, beam_size=75, alpha=alpha)
     beats_greedy = False
-    for prompt, found in zip(prompts, beam):
+    for prompt, found in zip(prompts, beam, strict=True):
 
         @torch.no_grad()
         def log_probs(prefix: tuple[int, ...], prompt: list[int] = prompt) -> torch.Tensor:
@@ -309,9 +311,13 @@ def test_decoder_beam_search_does_not_depend_on_the_batch(variant: str) -> None:
     model = sharp_decoder(variant, vocab_size=8, seed=5)
     prompts, limits = decoder_prompts([6, 1, 9, 3], 8), [7, 5, 9, 6]
     batched = beam_search_decoder(model, prompts, limits, EOS, beam_size=3, alpha=0.6)
-    alone = [beam_search_decoder(model, [p], n, EOS, beam_size=3, alpha=0.6)[0] for p, n in zip(prompts, limits)]
+    alone = [
+        beam_search_decoder(model, [p], n, EOS, beam_size=3, alpha=0.6)[0] for p, n in zip(prompts, limits, strict=True)
+    ]
     assert batched == alone
-    assert any(len(b) < n for b, n in zip(batched, limits)), "some search must stop on </s> before its limit"
+    assert any(len(b) < n for b, n in zip(batched, limits, strict=True)), (
+        "some search must stop on </s> before its limit"
+    )
     assert len({tuple(b) for b in batched}) >= 3, "outputs must differ, or a mix-up of the rows could pass"
 
 
@@ -339,7 +345,7 @@ def test_translate_ids_returns_results_in_input_order(beam_size: int) -> None:
     out = translate_ids(model, sources, BOS, EOS, PAD, beam_size=beam_size, alpha=0.6, extra_len=extra_len)
     # Each sentence gets its own limit, its source + </s> + extra_len, whatever it is batched with.
     search = greedy_search if beam_size == 1 else lambda *a: beam_search(*a, beam_size=beam_size, alpha=0.6)
-    for source, hypothesis in zip(sources, out):
+    for source, hypothesis in zip(sources, out, strict=True):
         src = torch.tensor([[*source, EOS]])
         assert hypothesis == search(model, src, torch.ones_like(src), len(source) + 1 + extra_len, BOS, EOS)[0]
     one_by_one = translate_ids(model, sources, BOS, EOS, PAD, beam_size, 0.6, batch_size=1, extra_len=extra_len)
@@ -357,8 +363,12 @@ def test_batched_beam_search_gives_each_sentence_its_own_hypothesis_as_sources_f
     lengths = [6, 2, 9, 4, 7, 3, 8, 5, 1, 6, 4]
     sources = [tokens(1, n, 90, seed=40 + i)[0].add(3).tolist() for i, n in enumerate(lengths)]
     out = translate_ids(model, sources, BOS, EOS, PAD, beam_size=4, alpha=0.6, batch_size=6, extra_len=6)
-    alone = [translate_ids(model, [source], BOS, EOS, PAD, beam_size=4, alpha=0.6, extra_len=6)[0] for source in sources]
+    alone = [
+        translate_ids(model, [source], BOS, EOS, PAD, beam_size=4, alpha=0.6, extra_len=6)[0] for source in sources
+    ]
     assert out == alone
     limits = [n + 1 + 6 for n in lengths]
-    assert any(len(h) < limit for h, limit in zip(out, limits)), "no search ended by </s>: nothing left the batch"
-    assert any(len(h) == limit for h, limit in zip(out, limits)), "every search ended early"
+    assert any(len(h) < limit for h, limit in zip(out, limits, strict=True)), (
+        "no search ended by </s>: nothing left the batch"
+    )
+    assert any(len(h) == limit for h, limit in zip(out, limits, strict=True)), "every search ended early"

@@ -14,8 +14,8 @@ import re
 import httpx
 import openai
 import pytest
+from serve_helpers import CMPL, NAME, TEXTS, USER, LiveServer, client, metric
 
-from helpers import CMPL, NAME, TEXTS, USER, LiveServer, client, metric
 from tformer.inference import Engine, EngineConfig, RequestError, SamplingParams
 from tformer.inference.quantize import set_precision
 from tformer.interop.loading import load_pretrained
@@ -53,8 +53,13 @@ def test_models_health_and_metrics(tiny) -> None:
     assert client(tiny).models.retrieve(NAME).id == NAME
     assert httpx.get(f"{tiny.url}/health").json() == {"status": "ok"}
     text = httpx.get(f"{tiny.url}/metrics").text
-    for name in ("tformer_requests_waiting", "tformer_requests_running", "tformer_kv_blocks_in_use",
-                 "tformer_prompt_tokens_total", "tformer_generation_tokens_total"):
+    for name in (
+        "tformer_requests_waiting",
+        "tformer_requests_running",
+        "tformer_kv_blocks_in_use",
+        "tformer_prompt_tokens_total",
+        "tformer_generation_tokens_total",
+    ):
         assert re.search(rf"^# TYPE {name} (gauge|counter)$", text, re.MULTILINE), name
     assert re.search(r'^tformer_requests_total\{endpoint="/v1/models",status="200"\} [1-9]', text, re.MULTILINE)
 
@@ -65,8 +70,9 @@ def test_a_server_with_a_draft_streams_the_models_own_greedy_text(tiny_dir, offl
     server = LiveServer(model, tokenizer, EngineConfig(num_speculative_tokens=3), draft=draft)
     try:
         expected = offline.complete("the cat", max_tokens=12, temperature=0.0, ignore_eos=True)
-        stream = client(server).completions.create(model=NAME, prompt="the cat", max_tokens=12, temperature=0,
-                                                   stream=True, extra_body={"ignore_eos": True})
+        stream = client(server).completions.create(
+            model=NAME, prompt="the cat", max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected.text
         drafted = metric(server.url, "tformer_spec_decode_draft_tokens_total")
         assert 0 < metric(server.url, "tformer_spec_decode_accepted_tokens_total") <= drafted
@@ -83,8 +89,7 @@ def test_completions_equal_the_offline_engine(tiny, offline, prompt) -> None:
     assert result.choices[0].finish_reason == expected.finish_reason
     prompt_tokens = len(prompt) if isinstance(prompt, list) else len(offline.tokenizer.encode(prompt))
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (prompt_tokens, len(expected.token_ids))
-    chunks = list(client(tiny).completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0,
-                                                  stream=True))
+    chunks = list(client(tiny).completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == expected.text
     assert [c.choices[0].finish_reason for c in chunks][-1] == expected.finish_reason
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1]) and len({c.id for c in chunks}) == 1
@@ -92,8 +97,9 @@ def test_completions_equal_the_offline_engine(tiny, offline, prompt) -> None:
 
 def test_stop_strings_and_seeded_sampling_equal_the_offline_engine(tiny, offline) -> None:
     expected = offline.complete("a dog", max_tokens=12, temperature=0.9, top_p=0.9, top_k=20, seed=7)
-    result = client(tiny).completions.create(model=NAME, prompt="a dog", max_tokens=12, temperature=0.9, top_p=0.9,
-                                             seed=7, extra_body={"top_k": 20})
+    result = client(tiny).completions.create(
+        model=NAME, prompt="a dog", max_tokens=12, temperature=0.9, top_p=0.9, seed=7, extra_body={"top_k": 20}
+    )
     assert result.choices[0].text == expected.text
     stop = expected.text[3:5] or "x"
     expected = offline.complete("a dog", max_tokens=12, temperature=0.0, stop=[stop])
@@ -110,8 +116,9 @@ def test_chat_completions_equal_the_offline_engine(tiny, offline) -> None:
     assert result.choices[0].message.content == expected.text
     assert result.choices[0].finish_reason == expected.finish_reason
     assert result.usage.completion_tokens == len(expected.token_ids)
-    stream = client(tiny).chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
-                                                  stream=True, stream_options={"include_usage": True})
+    stream = client(tiny).chat.completions.create(
+        model=NAME, messages=messages, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -138,8 +145,9 @@ def test_64_concurrent_streams_each_get_their_own_tokens(tiny, offline) -> None:
     assert len({e.text for e in expected}) > 40, "the reference outputs must differ for misrouting to show"
 
     async def one(api: openai.AsyncOpenAI, prompt: str, n: int) -> tuple[str, str | None, int]:
-        stream = await api.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                                              stream_options={"include_usage": True})
+        stream = await api.completions.create(
+            model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
         text, reason, tokens = "", None, -1
         async for chunk in stream:
             if chunk.choices:
@@ -164,7 +172,8 @@ def test_n_samples_equal_the_offline_engine_whole_and_streamed(tiny, offline) ->
     assert [c.index for c in expected] == [0, 1, 2] and len({c.text for c in expected}) > 1
     result = client(tiny).completions.create(model=NAME, prompt="the moon", n=3, **params)
     assert [(c.index, c.text, c.finish_reason) for c in result.choices] == [
-        (c.index, c.text, c.finish_reason) for c in expected]
+        (c.index, c.text, c.finish_reason) for c in expected
+    ]
     assert result.usage.completion_tokens == sum(len(c.token_ids) for c in expected)
     stream = client(tiny).chat.completions.create(model=NAME, messages=USER, n=2, stream=True, **params)
     texts, reasons = ["", ""], [None, None]
@@ -182,10 +191,13 @@ def test_beam_search_extension_equals_the_offline_engine_whole_and_streamed(tiny
     expected = offline.engine.generate(["the moon"], SamplingParams(**params))[0]
     body = {"model": NAME, "prompt": "the moon", **params}
     whole = httpx.post(f"{tiny.url}{CMPL}", json=body).json()
-    assert (whole["choices"][0]["text"], whole["choices"][0]["finish_reason"]) == (expected.text,
-                                                                                expected.finish_reason)
-    streamed = client(tiny).completions.create(model=NAME, prompt="the moon", stream=True,
-                                               extra_body=params, max_tokens=10)
+    assert (whole["choices"][0]["text"], whole["choices"][0]["finish_reason"]) == (
+        expected.text,
+        expected.finish_reason,
+    )
+    streamed = client(tiny).completions.create(
+        model=NAME, prompt="the moon", stream=True, extra_body=params, max_tokens=10
+    )
     assert "".join(c.choices[0].text for c in streamed) == expected.text
     assert metric(tiny.url, "tformer_kv_blocks_in_use") == 0
 

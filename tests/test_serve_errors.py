@@ -16,11 +16,10 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from serve_helpers import CHAT, CMPL, NAME, USER, LiveServer, assert_openai_error, client, metric
 
-from helpers import CHAT, CMPL, NAME, USER, LiveServer, assert_openai_error, client, metric
 from tformer.inference import EngineConfig
 from tformer.interop.loading import load_pretrained
-
 
 # ---- errors: OpenAI's shape and status, never a 5xx --------------------------------------------------------------
 
@@ -70,8 +69,9 @@ ERROR_CASES = [
 ]
 
 
-ERROR_IDS = [f"{i}-{path.removeprefix('/v1/').replace('/', '-')}-{param}" for i, (path, _, _, param) in
-             enumerate(ERROR_CASES)]
+ERROR_IDS = [
+    f"{i}-{path.removeprefix('/v1/').replace('/', '-')}-{param}" for i, (path, _, _, param) in enumerate(ERROR_CASES)
+]
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), ERROR_CASES, ids=ERROR_IDS)
@@ -101,20 +101,69 @@ def test_chat_without_a_template_is_a_400_that_says_why(tiny, monkeypatch) -> No
 
 # ---- fuzzing ------------------------------------------------------------------------------------------------------
 
-SPECIAL = st.sampled_from([0, -1, 1, 2**31, 2**63, 2**64, 10**40, -(10**40), 1e308, -1e308, 5e-324, 1e-300, "",
-                           "\x00", "\ud800", "🙂" * 50, "tiny", "user", [], {}, [0], [[1, 2]], ["a"], True])
+SPECIAL = st.sampled_from(
+    [
+        0,
+        -1,
+        1,
+        2**31,
+        2**63,
+        2**64,
+        10**40,
+        -(10**40),
+        1e308,
+        -1e308,
+        5e-324,
+        1e-300,
+        "",
+        "\x00",
+        "\ud800",
+        "🙂" * 50,
+        "tiny",
+        "user",
+        [],
+        {},
+        [0],
+        [[1, 2]],
+        ["a"],
+        True,
+    ]
+)
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12) | SPECIAL,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
-MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]) | JSON,
-                                 "content": st.text(max_size=20) | JSON})
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "seed", "stop", "n", "stream", "stream_options", "echo", "logprobs", "best_of", "ignore_eos",
-          "presence_penalty", "logit_bias", "user", "unknown"]
-BASES = [{"model": NAME, "prompt": "the cat", "max_tokens": 2, "temperature": 0},
-         {"model": NAME, "messages": USER, "max_tokens": 2, "temperature": 0}]
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "x"]) | JSON, "content": st.text(max_size=20) | JSON}
+)
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "echo",
+    "logprobs",
+    "best_of",
+    "ignore_eos",
+    "presence_penalty",
+    "logit_bias",
+    "user",
+    "unknown",
+]
+BASES = [
+    {"model": NAME, "prompt": "the cat", "max_tokens": 2, "temperature": 0},
+    {"model": NAME, "messages": USER, "max_tokens": 2, "temperature": 0},
+]
 
 
 @st.composite
@@ -134,13 +183,35 @@ def encode_json(value: Any) -> bytes:
 
 
 FUZZ_REQUEST = st.tuples(
-    st.sampled_from([("POST", CMPL), ("POST", CHAT), ("GET", "/v1/models"), ("GET", "/v1/models/x%00"),
-                     ("POST", "/v1/models"), ("GET", "/health"), ("DELETE", CHAT), ("POST", "/v1/../v1/completions")]),
+    st.sampled_from(
+        [
+            ("POST", CMPL),
+            ("POST", CHAT),
+            ("GET", "/v1/models"),
+            ("GET", "/v1/models/x%00"),
+            ("POST", "/v1/models"),
+            ("GET", "/health"),
+            ("DELETE", CHAT),
+            ("POST", "/v1/../v1/completions"),
+        ]
+    ),
     st.one_of(mutated_body().map(encode_json), JSON.map(encode_json), st.binary(max_size=40)),
-    st.sampled_from(["application/json", "application/json; charset=utf-8", "text/plain", "", "application/x-www-form",
-                     "multipart/form-data; boundary=x", "application/vnd+json"]),
-    st.dictionaries(st.sampled_from(["authorization", "x-request-id", "accept", "content-encoding", "expect"]),
-                    st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=20), max_size=2),
+    st.sampled_from(
+        [
+            "application/json",
+            "application/json; charset=utf-8",
+            "text/plain",
+            "",
+            "application/x-www-form",
+            "multipart/form-data; boundary=x",
+            "application/vnd+json",
+        ]
+    ),
+    st.dictionaries(
+        st.sampled_from(["authorization", "x-request-id", "accept", "content-encoding", "expect"]),
+        st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=20),
+        max_size=2,
+    ),
 )
 
 

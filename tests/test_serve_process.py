@@ -19,10 +19,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from conftest import free_port
-from helpers import CMPL, NAME, Offline, assert_openai_error, metric, save_tiny_checkpoint
-
+from serve_helpers import CMPL, NAME, Offline, assert_openai_error, metric, save_tiny_checkpoint
 
 # ---- `tformer serve` as a process: API key, disconnects, SIGTERM -------------------------------------------------
 
@@ -38,9 +36,26 @@ class CliServer:
     def __init__(self, path: Path, log: Path) -> None:
         self.path, self.log = path, log
         self.url = f"http://127.0.0.1:{free_port()}"
-        command = [sys.executable, "-m", "tformer", "serve", "--model", str(path), "--port", self.url.rsplit(":", 1)[1],
-                   "--api-key", KEY, "--model-name", NAME, "--quantize", QUANTIZE, "--max-seqs", "16",
-                   "--kv-cache-mb", "64"]
+        command = [
+            sys.executable,
+            "-m",
+            "tformer",
+            "serve",
+            "--model",
+            str(path),
+            "--port",
+            self.url.rsplit(":", 1)[1],
+            "--api-key",
+            KEY,
+            "--model-name",
+            NAME,
+            "--quantize",
+            QUANTIZE,
+            "--max-seqs",
+            "16",
+            "--kv-cache-mb",
+            "64",
+        ]
         with open(log, "wb") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
 
@@ -84,8 +99,10 @@ def test_api_key_is_required_on_v1(cli) -> None:
         openai.OpenAI(base_url=f"{cli.url}/v1", api_key="nope", max_retries=0).models.list()
     api = openai.OpenAI(base_url=f"{cli.url}/v1", api_key=KEY, max_retries=0)
     expected = Offline(cli.path, QUANTIZE).complete("the cat", max_tokens=6, temperature=0.0)
-    assert api.completions.create(model=NAME, prompt="the cat", max_tokens=6, temperature=0).choices[0].text == \
-        expected.text
+    assert (
+        api.completions.create(model=NAME, prompt="the cat", max_tokens=6, temperature=0).choices[0].text
+        == expected.text
+    )
     unauthorized = 'tformer_requests_total{endpoint="/v1/models",status="401"}'
     assert metric(cli.url, unauthorized) == 3  # two by hand, one by the client
 
@@ -109,8 +126,12 @@ def test_disconnected_clients_free_their_kv_blocks(cli) -> None:
 
     assert asyncio.run(open_streams_then_leave(6)) >= 6
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
-        httpx.post(f"{cli.url}{CMPL}", headers=AUTH, json={**body, "stream": False, "prompt": "a dog"},
-                   timeout=httpx.Timeout(30, read=0.5))
+        httpx.post(
+            f"{cli.url}{CMPL}",
+            headers=AUTH,
+            json={**body, "stream": False, "prompt": "a dog"},
+            timeout=httpx.Timeout(30, read=0.5),
+        )
     deadline = time.monotonic() + 30
     while metric(cli.url, "tformer_kv_blocks_in_use") > 0:
         assert time.monotonic() < deadline, "KV blocks were not freed after the clients left"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_model, tiny_config
 from helpers import chi_square, reference_greedy
+
 from tformer.inference.sampling import RequestError, SamplingParams
 from tformer.inference.speculative import SpeculativeStats, accept_draft, speculative_generate
 

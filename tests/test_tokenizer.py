@@ -12,8 +12,14 @@ from tformer.data import DataError, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-TEXTS = ["Hello, World! It's 2024.", "Café naïve RÉSUMÉ", "unbelievable tokenization", "emoji 😀 end",
-         "  spaces   here ", "Im Anfang war das Wort, und das Wort war bei Gott."]
+TEXTS = [
+    "Hello, World! It's 2024.",
+    "Café naïve RÉSUMÉ",
+    "unbelievable tokenization",
+    "emoji 😀 end",
+    "  spaces   here ",
+    "Im Anfang war das Wort, und das Wort war bei Gott.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +126,11 @@ def test_chat_template_cannot_reach_python_internals(trained: Tokenizer) -> None
 
 def test_hf_special_token_formats(trained: Tokenizer, tmp_path: Path) -> None:
     trained.save(tmp_path / "hf")
-    config = {"bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False}, "eos_token": "</s>",
-              "chat_template": [{"name": "default", "template": "{{ eos_token }}"}, {"name": "rag", "template": "x"}]}
+    config = {
+        "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False},
+        "eos_token": "</s>",
+        "chat_template": [{"name": "default", "template": "{{ eos_token }}"}, {"name": "rag", "template": "x"}],
+    }
     (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "hf" / "special_tokens_map.json").write_text(json.dumps({"pad_token": "<pad>", "eos_token": "<unk>"}))
     loaded = Tokenizer.load(tmp_path / "hf")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from helpers import WORDS, steps, tformer_train, trainer, write_corpus, write_recipe
+
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import Seq2SeqBatch, Tokenizer, teacher_forcing
 from tformer.models import CheckpointError, build_model, load
@@ -31,11 +31,19 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_only_the_newest_checkpoints_and_the_best_one_are_kept(tmp_path: Path, monkeypatch) -> None:
     recipe = write_recipe(tmp_path)
     dev = write_corpus(tmp_path / "dev.tsv", n=4)
-    run = trainer(recipe, f"train.dev_corpus={dev}", "train.max_steps=12", "train.save_every=2",
-                  "train.eval_every=2", "train.keep_last=2")
+    run = trainer(
+        recipe,
+        f"train.dev_corpus={dev}",
+        "train.max_steps=12",
+        "train.save_every=2",
+        "train.eval_every=2",
+        "train.keep_last=2",
+    )
     bleus = iter([1.0, 5.0, 3.0, 6.0, 2.0, 1.0, 0.0])  # dev BLEU at steps 2, 4, ..., 12, then the final one
-    monkeypatch.setattr("tformer.training.trainer.evaluate_translation",
-                        lambda *args: TranslationResult(next(bleus), "scripted", [], [], []))
+    monkeypatch.setattr(
+        "tformer.training.trainer.evaluate_translation",
+        lambda *args: TranslationResult(next(bleus), "scripted", [], [], []),
+    )
     run.fit()
     assert steps(run.run_dir) == [8, 10, 12]  # the best (step 8) and the newest two; step 4, once best, is gone
     assert yaml.safe_load((run.run_dir / "best.json").read_text()) == {"step": 8, "bleu": 6.0, "dev_sentences": 4}
@@ -129,7 +137,7 @@ def test_gradient_accumulation_equals_one_step_on_the_joined_batch(tmp_path: Pat
     batches, whole = two_batches(accumulated)
     loss, n_tokens = accumulated.train_step(batches)
     assert joined.train_step([whole]) == (pytest.approx(loss, rel=1e-5), n_tokens)
-    for (name, p), q in zip(accumulated.model.named_parameters(), joined.model.parameters()):
+    for (name, p), q in zip(accumulated.model.named_parameters(), joined.model.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)
         # Adam's first update is about lr * sign(g): it turns the ~1e-9 rounding noise of key-bias gradients
         # (exactly 0 in exact arithmetic, softmax ignores them) into different steps. Compare the rest.
@@ -148,8 +156,10 @@ def bad_corpus(tmp_path: Path, case: str) -> tuple[list[str], str]:
     if case == "unaligned files":
         (tmp_path / "src.txt").write_text("one\ntwo\nthree\n")
         (tmp_path / "tgt.txt").write_text("eins\nzwei\n")
-        return ([f"train.corpus={tmp_path / 'src.txt'}", f"train.corpus_tgt={tmp_path / 'tgt.txt'}"],
-                f"{tmp_path / 'src.txt'}:3: line has no partner")
+        return (
+            [f"train.corpus={tmp_path / 'src.txt'}", f"train.corpus_tgt={tmp_path / 'tgt.txt'}"],
+            f"{tmp_path / 'src.txt'}:3: line has no partner",
+        )
     (tmp_path / "latin1.tsv").write_bytes("one two\ttwo one\nfünf\tcinq\n".encode("latin-1"))
     return [f"train.corpus={tmp_path / 'latin1.tsv'}"], f"{tmp_path / 'latin1.tsv'}:2: bytes that are not UTF-8"
 
@@ -172,20 +182,32 @@ def test_bad_input_is_one_error_line_naming_the_file(tmp_path: Path, case: str) 
 
 def test_overrides_are_typed_as_yaml(tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path)
-    model, train = load_recipe(recipe, ["train.max_steps=5", "model.d_model=64", "train.lr=3e-4", "train.bf16=true",
-                                        "train.dev_corpus=null", "train.out_dir=runs/x y"])
+    model, train = load_recipe(
+        recipe,
+        [
+            "train.max_steps=5",
+            "model.d_model=64",
+            "train.lr=3e-4",
+            "train.bf16=true",
+            "train.dev_corpus=null",
+            "train.out_dir=runs/x y",
+        ],
+    )
     assert (train.max_steps, model.d_model, train.lr, train.bf16) == (5, 64, 3e-4, True)
     assert train.dev_corpus is None and train.out_dir == "runs/x y"
     assert model.n_heads == 4 and model.dropout == 0.1  # the rest still comes from the preset and the recipe
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.max_steps", "must look like"),
-    ("max_steps=5", "must look like"),
-    ("optim.lr=0.1", "must look like"),
-    ("train.max_stpes=5", "did you mean 'max_steps'"),
-    ("train.max_steps=many", "max_steps must be int"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.max_steps", "must look like"),
+        ("max_steps=5", "must look like"),
+        ("optim.lr=0.1", "must look like"),
+        ("train.max_stpes=5", "did you mean 'max_steps'"),
+        ("train.max_steps=many", "max_steps must be int"),
+    ],
+)
 def test_malformed_overrides_raise_config_error(tmp_path: Path, override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_recipe(write_recipe(tmp_path), [override])
@@ -199,12 +221,24 @@ def test_a_causal_lm_learns_and_reports_dev_perplexity(tmp_path: Path) -> None:
     (tmp_path / "train.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (tmp_path / "dev.txt").write_text("\n".join(lines[:40]) + "\n", encoding="utf-8")
     recipe = tmp_path / "recipe.yaml"
-    train = {"corpus": str(tmp_path / "train.txt"), "dev_corpus": str(tmp_path / "dev.txt"), "objective": "clm",
-             "vocab_size": 300, "max_len": 32, "max_tokens": 512, "max_steps": 40, "eval_every": 10_000,
-             "save_every": 10_000, "optimizer": "adamw-cosine", "lr": 3e-3, "warmup": 5,
-             "out_dir": str(tmp_path / "run")}
-    recipe.write_text(yaml.safe_dump({"model": {"preset": "tiny-gpt2", "dropout": 0.0, "attn_dropout": 0.0},
-                                      "train": train}))
+    train = {
+        "corpus": str(tmp_path / "train.txt"),
+        "dev_corpus": str(tmp_path / "dev.txt"),
+        "objective": "clm",
+        "vocab_size": 300,
+        "max_len": 32,
+        "max_tokens": 512,
+        "max_steps": 40,
+        "eval_every": 10_000,
+        "save_every": 10_000,
+        "optimizer": "adamw-cosine",
+        "lr": 3e-3,
+        "warmup": 5,
+        "out_dir": str(tmp_path / "run"),
+    }
+    recipe.write_text(
+        yaml.safe_dump({"model": {"preset": "tiny-gpt2", "dropout": 0.0, "attn_dropout": 0.0}, "train": train})
+    )
     run = trainer(recipe)
     before = run._evaluate(None)["dev_ppl"]
     after = run.fit()["dev_ppl"]

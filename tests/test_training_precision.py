@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import trainer, write_recipe
 
 

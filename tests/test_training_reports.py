@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import sacrebleu
 import torch
-
 from helpers import tformer_train, trainer, write_corpus, write_recipe
+
 from tformer.training.checkpoint import STATE_FILE, checkpoint_dir, resolve_checkpoint
 from tformer.training.evaluate import TranslationResult
 
@@ -45,8 +45,14 @@ def test_the_best_checkpoint_is_chosen_on_the_same_dev_sentences(tmp_path: Path,
     final = (references[:2] if final_is_best else worse[:2]) + references[2:]
     assert bleu(final, references) > bleu(half[:2], references[:2])  # the full set alone would crown the final
     monkeypatch.setattr("tformer.training.trainer.evaluate_translation", scripted_translations([half, worse, final]))
-    run = trainer(recipe, f"train.dev_corpus={dev}", "train.max_steps=4", "train.save_every=2",
-                  "train.eval_every=2", "train.eval_sentences=2")
+    run = trainer(
+        recipe,
+        f"train.dev_corpus={dev}",
+        "train.max_steps=4",
+        "train.save_every=2",
+        "train.eval_every=2",
+        "train.eval_sentences=2",
+    )
     result = run.fit()
     assert result["dev_bleu"] == pytest.approx(bleu(final, references))  # the final score is the whole dev set's
     best_step = 4 if final_is_best else 2

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ENV, steps, tformer_train, trainer, write_recipe
 from safetensors.torch import load_file
 
-from helpers import ENV, steps, tformer_train, trainer, write_recipe
 from tformer.models import WEIGHTS_FILE, load
 from tformer.training import TrainingDiverged
 from tformer.training.checkpoint import checkpoint_dir, list_checkpoints, load_trainer_state, resolve_checkpoint
@@ -29,8 +29,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def start_training(*command: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=ENV)
+    return subprocess.Popen(
+        [sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    )
 
 
 def wait_for_checkpoint(process: subprocess.Popen, run_dir: Path, timeout: float = 60) -> None:

@@ -41,7 +41,12 @@ def batch_for(config: ModelConfig, generator: torch.Generator) -> tuple[dict, to
     mask[1, 8:] = 0
     if config.family == "encoder-decoder":
         batch = Seq2SeqBatch(ids, mask, ids[:, :10], ids[:, 1:11], mask[:, :10])
-        return {"src": batch.src, "tgt": batch.tgt_in, "src_mask": batch.src_mask, "tgt_mask": batch.tgt_mask}, batch.labels
+        return {
+            "src": batch.src,
+            "tgt": batch.tgt_in,
+            "src_mask": batch.src_mask,
+            "tgt_mask": batch.tgt_mask,
+        }, batch.labels
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids, "attention_mask": mask}, labels
 

@@ -61,8 +61,15 @@ def translate(sentences: list[str], *, model: str, beam_size: int = 4, alpha: fl
         print(line)
 
 
-def evaluate(*, model: str, data: str = "bible:en-de", split: str = "test", beam_size: int = 4, alpha: float = 0.6,
-         limit: int = 0) -> None:
+def evaluate(
+    *,
+    model: str,
+    data: str = "bible:en-de",
+    split: str = "test",
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    limit: int = 0,
+) -> None:
     """Score a translation checkpoint with sacreBLEU on a held-out split or a parallel file.
 
     model: a checkpoint directory, or a training run directory (its best checkpoint is used)
@@ -76,8 +83,10 @@ def evaluate(*, model: str, data: str = "bible:en-de", split: str = "test", beam
     for sample in result.samples(3):
         print(f"src: {sample['source']}\nhyp: {sample['hypothesis']}\nref: {sample['reference']}\n")
     name = f"{split} " if data.startswith("bible:") else ""
-    print(f"{name}BLEU {result.bleu:.2f} on {len(result.hypotheses)} sentences, beam {beam_size}, decoded in "
-          f"{result.seconds:.0f} s ({result.signature})")
+    print(
+        f"{name}BLEU {result.bleu:.2f} on {len(result.hypotheses)} sentences, beam {beam_size}, decoded in "
+        f"{result.seconds:.0f} s ({result.signature})"
+    )
 
 
 def average(checkpoints: list[str], *, out: str) -> None:
@@ -174,10 +183,22 @@ def generate(
 
 
 def serve(
-    *, model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, model_name: str | None = None,
-    quantize: str | None = None, dtype: str = "auto", max_model_len: int = 0, max_seqs: int = 64,
-    max_batched_tokens: int = 512, kv_cache_mb: int = 1024, compile: bool = False, draft_model: str | None = None,
-    draft_quantize: str | None = None, speculative_tokens: int = 4,
+    *,
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    quantize: str | None = None,
+    dtype: str = "auto",
+    max_model_len: int = 0,
+    max_seqs: int = 64,
+    max_batched_tokens: int = 512,
+    kv_cache_mb: int = 1024,
+    compile: bool = False,
+    draft_model: str | None = None,
+    draft_quantize: str | None = None,
+    speculative_tokens: int = 4,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics).
 
@@ -203,10 +224,26 @@ def serve(
 
     if compile:
         _keep_compiled_kernels()
-    config = EngineConfig(max_model_len=max_model_len, max_seqs=max_seqs, max_batched_tokens=max_batched_tokens,
-                          kv_cache_bytes=kv_cache_mb << 20, compile=compile, num_speculative_tokens=speculative_tokens)
-    run_server(model, host=host, port=port, api_key=api_key, model_name=model_name, engine_config=config,
-               quantize=quantize, dtype=dtype, draft_model=draft_model, draft_quantize=draft_quantize)
+    config = EngineConfig(
+        max_model_len=max_model_len,
+        max_seqs=max_seqs,
+        max_batched_tokens=max_batched_tokens,
+        kv_cache_bytes=kv_cache_mb << 20,
+        compile=compile,
+        num_speculative_tokens=speculative_tokens,
+    )
+    run_server(
+        model,
+        host=host,
+        port=port,
+        api_key=api_key,
+        model_name=model_name,
+        engine_config=config,
+        quantize=quantize,
+        dtype=dtype,
+        draft_model=draft_model,
+        draft_quantize=draft_quantize,
+    )
 
 
 def convert(source: str, *, out: str, to: str = "tformer") -> None:
@@ -282,14 +319,24 @@ def _add_command(subparsers: argparse._SubParsersAction, name: str, fn: Callable
         elif param.default is inspect.Parameter.empty and param.kind is not param.KEYWORD_ONLY:
             parser.add_argument(param.name, type=kind, help=text)
         elif param.default is inspect.Parameter.empty:
-            parser.add_argument(f"--{param.name.replace('_', '-')}", dest=param.name, type=kind, required=True,
-                                help=text)
+            parser.add_argument(
+                f"--{param.name.replace('_', '-')}", dest=param.name, type=kind, required=True, help=text
+            )
         elif kind is bool:
-            parser.add_argument(f"--{param.name.replace('_', '-')}", action=argparse.BooleanOptionalAction,
-                                default=param.default, help=text)
+            parser.add_argument(
+                f"--{param.name.replace('_', '-')}",
+                action=argparse.BooleanOptionalAction,
+                default=param.default,
+                help=text,
+            )
         else:
-            parser.add_argument(f"--{param.name.replace('_', '-')}", dest=param.name, type=kind,
-                                default=param.default, help=text if "default" in text else f"{text} (default: %(default)s)")
+            parser.add_argument(
+                f"--{param.name.replace('_', '-')}",
+                dest=param.name,
+                type=kind,
+                default=param.default,
+                help=text if "default" in text else f"{text} (default: %(default)s)",
+            )
     parser.set_defaults(_command=fn)
 
 

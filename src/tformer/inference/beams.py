@@ -49,12 +49,20 @@ class BeamGroup:
                 members.append(None)
                 continue
             parent = self.members[parent_row]
-            members.append(Sequence(
-                parent.request_id, parent.prompt, parent.params, output=self.beams.tokens[k].tolist(),
-                table=allocator.fork(parent.table), n_computed=parent.n_computed,
-                draft_computed=parent.draft_computed, status=Status.RUNNING,
-                source=parent.source, encoder_state=parent.encoder_state,
-            ))
+            members.append(
+                Sequence(
+                    parent.request_id,
+                    parent.prompt,
+                    parent.params,
+                    output=self.beams.tokens[k].tolist(),
+                    table=allocator.fork(parent.table),
+                    n_computed=parent.n_computed,
+                    draft_computed=parent.draft_computed,
+                    status=Status.RUNNING,
+                    source=parent.source,
+                    encoder_state=parent.encoder_state,
+                )
+            )
         self.members = members
         return self.live
 

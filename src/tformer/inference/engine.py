@@ -15,7 +15,8 @@ output is the target's own and sampled output follows the target's distribution.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -50,8 +51,15 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # draft tokens per decode step, when the engine has a draft model
 
     def __post_init__(self) -> None:
-        for name, least in (("block_size", 1), ("num_blocks", 0), ("kv_cache_bytes", 1), ("max_batched_tokens", 1),
-                            ("max_seqs", 1), ("max_model_len", 0), ("num_speculative_tokens", 1)):
+        for name, least in (
+            ("block_size", 1),
+            ("num_blocks", 0),
+            ("kv_cache_bytes", 1),
+            ("max_batched_tokens", 1),
+            ("max_seqs", 1),
+            ("max_model_len", 0),
+            ("num_speculative_tokens", 1),
+        ):
             if getattr(self, name) < least:
                 raise ConfigError(f"EngineConfig.{name} must be at least {least}, got {getattr(self, name)}")
 
@@ -106,8 +114,12 @@ class Engine:
         prefix_caching = self.config.prefix_caching and not isinstance(model, EncoderDecoder)
         lookahead = self.config.num_speculative_tokens if draft is not None else 0
         self.scheduler = Scheduler(
-            self.allocator, self.config.max_batched_tokens, self.config.max_seqs, prefix_caching=prefix_caching,
-            lookahead=lookahead, max_model_len=self.max_model_len,
+            self.allocator,
+            self.config.max_batched_tokens,
+            self.config.max_seqs,
+            prefix_caching=prefix_caching,
+            lookahead=lookahead,
+            max_model_len=self.max_model_len,
         )
         self.sequences: dict[str, Sequence] = {}
         self._beam_groups: dict[str, BeamGroup] = {}
@@ -290,10 +302,17 @@ class Engine:
         for i in range(1, seq.params.n):
             seed = None if seq.params.seed is None else seq.params.seed + i
             child = Sequence(
-                seq.request_id, seq.prompt, seq.params, None if seq.params.greedy else make_generator(seed),
-                table=self.allocator.fork(seq.table), n_computed=seq.n_computed,
-                draft_computed=seq.draft_computed, status=Status.RUNNING,
-                source=seq.source, encoder_state=seq.encoder_state, index=i,
+                seq.request_id,
+                seq.prompt,
+                seq.params,
+                None if seq.params.greedy else make_generator(seed),
+                table=self.allocator.fork(seq.table),
+                n_computed=seq.n_computed,
+                draft_computed=seq.draft_computed,
+                status=Status.RUNNING,
+                source=seq.source,
+                encoder_state=seq.encoder_state,
+                index=i,
             )
             self.sequences[_key(seq.request_id, i)] = child
             self._trackers[_key(seq.request_id, i)] = TextTracker(self.tokenizer, seq.params.stop)
@@ -355,7 +374,8 @@ class Engine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
         done = {
             (rid, i): Completion(rid, list(self.sequences[rid].source or self.sequences[rid].prompt), index=i)
-            for rid, sp in zip(ids, params_list, strict=True) for i in range(sp.n)
+            for rid, sp in zip(ids, params_list, strict=True)
+            for i in range(sp.n)
         }
         while any(c.finish_reason is None for c in done.values()):
             for out in self.step():
@@ -392,7 +412,8 @@ def _check_draft(model: TransformerModel, draft: DecoderLM, max_model_len: int) 
         )
     if draft.config.vocab_size != model.config.vocab_size:
         raise ConfigError(
-            f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's ({model.config.vocab_size}); "
+            f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+            f"({model.config.vocab_size}); "
             "pick a draft trained with the same tokenizer"
         )
     if draft.config.max_seq_len < max_model_len:
@@ -415,9 +436,7 @@ def _paged_cache(model: TransformerModel, num_blocks: int, block_size: int) -> P
     )
 
 
-def _by_width(
-    scheduled: list[tuple[Sequence, int]], max_padding: float = 0.25
-) -> list[list[tuple[Sequence, int]]]:
+def _by_width(scheduled: list[tuple[Sequence, int]], max_padding: float = 0.25) -> list[list[tuple[Sequence, int]]]:
     """Splits a step into forwards: decode rows (one new token) run together; prompt chunks run together when
     padding them to the widest of their group wastes at most `max_padding` of the group's tokens.
 

@@ -230,7 +230,11 @@ class PagedLayerKV:
     """One layer's window on the paged cache during one step (the `update(positions, k, v)` protocol)."""
 
     def __init__(
-        self, k: torch.Tensor, v: torch.Tensor, write_slots: torch.Tensor, keep: torch.Tensor | None,
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        write_slots: torch.Tensor,
+        keep: torch.Tensor | None,
         read_slots: torch.Tensor,
     ) -> None:
         self.k, self.v = k, v
@@ -241,9 +245,7 @@ class PagedLayerKV:
         """Key positions every row reads this step (the batch's largest position plus one)."""
         return self.read_slots.shape[1]
 
-    def update(
-        self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes k, v (B, Hkv, T, D) of the real tokens, returns every row's keys and values (B, Hkv, Tk, D)."""
         B, H, T, D = k.shape
         new_k = k.transpose(1, 2).reshape(B * T, H, D)

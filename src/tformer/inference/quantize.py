@@ -81,8 +81,9 @@ class Int4Linear(nn.Module):
         self._pack(q.view(out_f, in_f), scales, low, linear.bias)
 
     @classmethod
-    def from_groups(cls, q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> Int4Linear:
+    def from_groups(
+        cls, q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> Int4Linear:
         """A layer from weights already quantized to w = q * scale + minimum, q in [0, 15], in groups along the
         input dimension: q (out, in), scales and minimums (out, in / group_size). llama.cpp's Q4_1 blocks are
         exactly this with groups of 32, so a Q4_1 GGUF file becomes INT4 without a round trip through float."""
@@ -276,4 +277,3 @@ def dequantize_linear(module: nn.Module) -> torch.Tensor:
     if isinstance(module, nn.Linear):
         return module.weight.detach().float()
     raise TypeError(f"{type(module).__name__} is not a linear layer")
-

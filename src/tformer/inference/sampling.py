@@ -13,7 +13,6 @@ import torch
 
 from tformer.errors import RequestError
 
-
 GREEDY_TEMPERATURE = 1e-5
 
 

@@ -142,7 +142,9 @@ def _propose(
         last = torch.tensor([max(len(f) - 1, 0) for f in fed], device=logits.device)
         probs = torch.stack([sampling_probs(row, params) for row in logits[torch.arange(len(fed)), last]])  # (B, V)
         for b in (b for b, on in enumerate(active) if on):
-            token = int(probs[b].argmax()) if params.greedy else int(torch.multinomial(probs[b], 1, generator=generator))
+            token = (
+                int(probs[b].argmax()) if params.greedy else int(torch.multinomial(probs[b], 1, generator=generator))
+            )
             proposals[b].append(token)
             rows.draft_cached[b] = starts[b] + len(fed[b])
         dists.append(probs)

@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType
 from tformer.config import ConfigError, ModelConfig
 from tformer.interop.gguf_file import GGUF_MAGIC, GGUFFile, Malformed, TensorInfo, Truncated, q4_1_groups
 from tformer.models import CheckpointError, DecoderLM, assign_weights, build_model
+
 SUPPORTED_ARCHITECTURES = ("llama",)
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K)
@@ -56,9 +57,17 @@ UNSUPPORTED_TENSORS: dict[str, str] = {
 
 # what the llama architecture fixes: pre-RMSNorm, RoPE, SwiGLU, no biases, unscaled embeddings
 LLAMA_FIELDS: dict[str, Any] = {
-    "family": "decoder", "n_encoder_layers": 0, "position": "rope", "ffn": "swiglu", "ffn_bias": False,
-    "attn_bias": False, "norm": "rmsnorm", "norm_placement": "pre", "scale_embeddings": False,
-    "init": "normal", "dropout": 0.0,
+    "family": "decoder",
+    "n_encoder_layers": 0,
+    "position": "rope",
+    "ffn": "swiglu",
+    "ffn_bias": False,
+    "attn_bias": False,
+    "norm": "rmsnorm",
+    "norm_placement": "pre",
+    "scale_embeddings": False,
+    "init": "normal",
+    "dropout": 0.0,
 }
 # "{arch}.<key>" metadata -> ModelConfig field
 ARCH_METADATA: dict[str, str] = {
@@ -174,9 +183,7 @@ def _rope_scaling(reader: GGUFFile, arch: str, path: str | os.PathLike[str]) -> 
     if kind is None:
         return {}
     if kind not in ROPE_SCALING_TYPES:
-        raise GGUFError(
-            f"{path}: RoPE scaling {kind!r} is not supported; supported: {', '.join(ROPE_SCALING_TYPES)}"
-        )
+        raise GGUFError(f"{path}: RoPE scaling {kind!r} is not supported; supported: {', '.join(ROPE_SCALING_TYPES)}")
     fields = {"rope_scaling": ROPE_SCALING_TYPES[kind]}
     for key, name in ROPE_SCALING_METADATA.items():
         if (value := metadata(reader, f"{arch}.rope.scaling.{key}")) is not None:

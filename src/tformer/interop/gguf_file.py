@@ -27,10 +27,32 @@ from gguf.quants import dequantize as gguf_dequantize
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 # GGUF metadata value type -> struct format of one scalar
-SCALARS: dict[int, str] = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-                           11: "<q", 12: "<d"}
-NUMPY_TYPES: dict[int, str] = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
-                               10: "<u8", 11: "<i8", 12: "<f8"}
+SCALARS: dict[int, str] = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+NUMPY_TYPES: dict[int, str] = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 STRING, ARRAY = 8, 9
 
 
@@ -107,8 +129,9 @@ class GGUFFile:
             raise Malformed("the magic is missing")
         version = cursor.scalar("<I")
         if version not in (2, 3):
-            raise Malformed(f"GGUF version {version} is not supported (2 and 3 are; a big-endian file reads as a "
-                            "huge version)")
+            raise Malformed(
+                f"GGUF version {version} is not supported (2 and 3 are; a big-endian file reads as a huge version)"
+            )
         n_tensors, n_fields = cursor.scalar("<Q"), cursor.scalar("<Q")
         self.fields: dict[str, Any] = {}
         for _ in range(n_fields):

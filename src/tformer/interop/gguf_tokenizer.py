@@ -33,7 +33,11 @@ PRE_TOKENIZER_SPLITS: dict[str, list[str]] = {
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 # tokenizer.ggml.<key>_token_id -> tformer's special-token role
 SPECIAL_ID_KEYS: dict[str, str] = {
-    "bos": "bos", "eos": "eos", "padding": "pad", "unknown": "unk", "mask": "mask",
+    "bos": "bos",
+    "eos": "eos",
+    "padding": "pad",
+    "unknown": "unk",
+    "mask": "mask",
 }
 SPACE = "\u2581"  # SentencePiece's visible space
 
@@ -64,9 +68,7 @@ def _byte_level_bpe(reader: GGUFFile, tokens: list[str], types: list[int], path:
     """GPT-2-style byte-level BPE: tokens are spelled in GPT-2's byte alphabet, merges are "left right"."""
     pre = metadata(reader, "tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZER_SPLITS:
-        raise GGUFError(
-            f"{path}: pre-tokenizer {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZER_SPLITS)}"
-        )
+        raise GGUFError(f"{path}: pre-tokenizer {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZER_SPLITS)}")
     merges = metadata(reader, "tokenizer.ggml.merges")
     if merges is None:
         raise GGUFError(f"{path}: a 'gpt2' tokenizer needs tokenizer.ggml.merges, which is missing")
@@ -90,7 +92,10 @@ def _sentencepiece_bpe(reader: GGUFFile, tokens: list[str], types: list[int], pa
     unk_id = metadata(reader, "tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
     model = models.BPE(
-        vocab=vocab, merges=_merges_from_scores(tokens, types, scores), unk_token=unk, byte_fallback=True,
+        vocab=vocab,
+        merges=_merges_from_scores(tokens, types, scores),
+        unk_token=unk,
+        byte_fallback=True,
         fuse_unk=True,
     )
     backend = HFTokenizer(model)
@@ -120,8 +125,12 @@ def _merges_from_scores(tokens: list[str], types: list[int], scores: list[float]
 
 def _add_special_tokens(backend: HFTokenizer, tokens: list[str], types: list[int]) -> None:
     """Control tokens (<|im_start|>, ...) match whole and are special; user-defined ones match whole too."""
-    control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True) if k == CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED]
+    control = [
+        AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True) if k == CONTROL
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED
+    ]
     backend.add_special_tokens(control)
     backend.add_tokens(user)
 

@@ -31,9 +31,19 @@ from tformer.models import CheckpointError, TransformerModel, assign_weights, bu
 
 CONFIG_JSON = "config.json"
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "source.spm",
-    "target.spm", "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "source.spm",
+    "target.spm",
+    "chat_template.jinja",
 )
 NOT_COMPARED = ("dropout", "attn_dropout", "init", "init_std")  # training settings, kept by export where it can
 DERIVED = ("n_kv_heads", "head_dim")  # fields config.json may leave implicit
@@ -43,8 +53,12 @@ FAMILIES: dict[str, Family] = {
 }
 # the architecture read when config.json names only a model_type
 MODEL_TYPES: dict[str, str] = {
-    "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-    "bert": "BertForMaskedLM", "bart": "BartForConditionalGeneration", "marian": "MarianMTModel",
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "bert": "BertForMaskedLM",
+    "bart": "BartForConditionalGeneration",
+    "marian": "MarianMTModel",
 }
 # what `to_hf` tries, in order, for each tformer family: the first that holds the config exactly is written
 EXPORTS: dict[str, tuple[str, ...]] = {
@@ -82,9 +96,7 @@ def from_hf(
         dropped = sorted(name for name in weights.names if _matches(name, family.dropped))
     load_state(model, state, family, path)
     if dropped:
-        warnings.warn(
-            f"{path}: left out {listed(dropped)}. {family.dropped_note}", DroppedWeightsWarning, stacklevel=2
-        )
+        warnings.warn(f"{path}: left out {listed(dropped)}. {family.dropped_note}", DroppedWeightsWarning, stacklevel=2)
     return model.to(device).eval()
 
 
@@ -224,8 +236,13 @@ def to_hf(
     path = Path(path)
     family, fields = export_family(model.config)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    hf_config = {"architectures": [family.architecture], "model_type": family.model_type, **fields,
-                 "dtype": dtype, **(extra_config or {})}
+    hf_config = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        **fields,
+        "dtype": dtype,
+        **(extra_config or {}),
+    }
     base, head = family.tensors(model.config)
     tensors = export_tensors(model, {family.prefixes[0] + name: entry for name, entry in base.items()} | head)
     tokenizer_files = [] if tokenizer_dir is None else find_tokenizer_files(Path(tokenizer_dir))

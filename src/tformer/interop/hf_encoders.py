@@ -23,19 +23,40 @@ from tformer.interop.hf_spec import (
 # ---- BERT -----------------------------------------------------------------------------------------------------------
 
 BERT_FIXED = {
-    "family": "encoder", "n_decoder_layers": 0, "position": "learned", "norm": "layernorm", "norm_bias": True,
-    "norm_placement": "post", "embedding_norm": True, "scale_embeddings": False, "attn_bias": True,
-    "ffn_bias": True, "init": "normal",
+    "family": "encoder",
+    "n_decoder_layers": 0,
+    "position": "learned",
+    "norm": "layernorm",
+    "norm_bias": True,
+    "norm_placement": "post",
+    "embedding_norm": True,
+    "scale_embeddings": False,
+    "attn_bias": True,
+    "ffn_bias": True,
+    "init": "normal",
 }
 BERT_RENAMES = {
-    "vocab_size": "vocab_size", "d_model": "hidden_size", "n_encoder_layers": "num_hidden_layers",
-    "n_heads": "num_attention_heads", "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings",
-    "type_vocab_size": "type_vocab_size", "norm_eps": "layer_norm_eps", "dropout": "hidden_dropout_prob",
-    "attn_dropout": "attention_probs_dropout_prob", "init_std": "initializer_range",
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "n_encoder_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "d_ff": "intermediate_size",
+    "max_seq_len": "max_position_embeddings",
+    "type_vocab_size": "type_vocab_size",
+    "norm_eps": "layer_norm_eps",
+    "dropout": "hidden_dropout_prob",
+    "attn_dropout": "attention_probs_dropout_prob",
+    "init_std": "initializer_range",
 }
 BERT_DEFAULTS = {
-    "max_position_embeddings": 512, "type_vocab_size": 2, "layer_norm_eps": 1e-12, "hidden_dropout_prob": 0.1,
-    "attention_probs_dropout_prob": 0.1, "initializer_range": 0.02, "hidden_act": "gelu", "tie_word_embeddings": True,
+    "max_position_embeddings": 512,
+    "type_vocab_size": 2,
+    "layer_norm_eps": 1e-12,
+    "hidden_dropout_prob": 0.1,
+    "attention_probs_dropout_prob": 0.1,
+    "initializer_range": 0.02,
+    "hidden_act": "gelu",
+    "tie_word_embeddings": True,
 }
 BERT_REQUIRED = {"position_embedding_type": "absolute", "is_decoder": False, "add_cross_attention": False}
 BERT_GLOBAL: Table = {
@@ -76,8 +97,11 @@ def _bert_out(config: ModelConfig) -> dict[str, Any]:
 
 def _bert_base(config: ModelConfig) -> Table:
     types = {"embeddings.token_type_embeddings.weight": "encoder.token_types.weight"} if config.type_vocab_size else {}
-    return {**BERT_GLOBAL, **types, **per_layer(BERT_LAYER, config.n_encoder_layers, "encoder.layer.{i}.",
-                                              "encoder.layers.{i}.")}
+    return {
+        **BERT_GLOBAL,
+        **types,
+        **per_layer(BERT_LAYER, config.n_encoder_layers, "encoder.layer.{i}.", "encoder.layers.{i}."),
+    }
 
 
 BERT_MLM_UNTIED: Table = {  # transformers 5 unties the output bias too and keeps cls.predictions.bias unused
@@ -92,39 +116,86 @@ def _bert_mlm_tensors(config: ModelConfig) -> tuple[Table, Table]:
 
 
 BERT_MLM = Family(
-    "BertForMaskedLM", "bert", {**BERT_FIXED, "encoder_head": "mlm", "lm_head_bias": True},
-    {**BERT_RENAMES, "tie_embeddings": "tie_word_embeddings"}, BERT_DEFAULTS, _bert_in, _bert_out, _bert_mlm_tensors,
-    prefixes=("bert.", ""), required=BERT_REQUIRED, ignored=BERT_IGNORED,
-    dropped=("*pooler.dense.*", "cls.seq_relationship.*"), dropped_note=POOLER_NOTE, loose=("n_decoder_layers",),
+    "BertForMaskedLM",
+    "bert",
+    {**BERT_FIXED, "encoder_head": "mlm", "lm_head_bias": True},
+    {**BERT_RENAMES, "tie_embeddings": "tie_word_embeddings"},
+    BERT_DEFAULTS,
+    _bert_in,
+    _bert_out,
+    _bert_mlm_tensors,
+    prefixes=("bert.", ""),
+    required=BERT_REQUIRED,
+    ignored=BERT_IGNORED,
+    dropped=("*pooler.dense.*", "cls.seq_relationship.*"),
+    dropped_note=POOLER_NOTE,
+    loose=("n_decoder_layers",),
 )
 BERT_MODEL = Family(
-    "BertModel", "bert", {**BERT_FIXED, "encoder_head": "none"}, BERT_RENAMES, BERT_DEFAULTS, _bert_in, _bert_out,
-    lambda config: (_bert_base(config), {}), prefixes=("", "bert."), required=BERT_REQUIRED, ignored=BERT_IGNORED,
-    dropped=("*pooler.dense.*",), dropped_note=POOLER_NOTE, loose=("n_decoder_layers",),
+    "BertModel",
+    "bert",
+    {**BERT_FIXED, "encoder_head": "none"},
+    BERT_RENAMES,
+    BERT_DEFAULTS,
+    _bert_in,
+    _bert_out,
+    lambda config: (_bert_base(config), {}),
+    prefixes=("", "bert."),
+    required=BERT_REQUIRED,
+    ignored=BERT_IGNORED,
+    dropped=("*pooler.dense.*",),
+    dropped_note=POOLER_NOTE,
+    loose=("n_decoder_layers",),
 )
 
 # ---- BART and Marian ------------------------------------------------------------------------------------------------
 
 SEQ2SEQ_FIXED = {
-    "family": "encoder-decoder", "norm": "layernorm", "norm_bias": True, "norm_eps": 1e-5, "norm_placement": "post",
-    "type_vocab_size": 0, "attn_bias": True, "ffn_bias": True, "lm_head_bias": True, "sliding_window": None,
+    "family": "encoder-decoder",
+    "norm": "layernorm",
+    "norm_bias": True,
+    "norm_eps": 1e-5,
+    "norm_placement": "post",
+    "type_vocab_size": 0,
+    "attn_bias": True,
+    "ffn_bias": True,
+    "lm_head_bias": True,
+    "sliding_window": None,
     "init": "normal",
 }
 SEQ2SEQ_RENAMES = {
-    "vocab_size": "vocab_size", "d_model": "d_model", "n_encoder_layers": "encoder_layers",
-    "n_decoder_layers": "decoder_layers", "n_heads": "encoder_attention_heads", "d_ff": "encoder_ffn_dim",
-    "max_seq_len": "max_position_embeddings", "scale_embeddings": "scale_embedding",
-    "tie_embeddings": "tie_word_embeddings", "dropout": "dropout", "attn_dropout": "attention_dropout",
+    "vocab_size": "vocab_size",
+    "d_model": "d_model",
+    "n_encoder_layers": "encoder_layers",
+    "n_decoder_layers": "decoder_layers",
+    "n_heads": "encoder_attention_heads",
+    "d_ff": "encoder_ffn_dim",
+    "max_seq_len": "max_position_embeddings",
+    "scale_embeddings": "scale_embedding",
+    "tie_embeddings": "tie_word_embeddings",
+    "dropout": "dropout",
+    "attn_dropout": "attention_dropout",
     "init_std": "init_std",
 }
 SEQ2SEQ_DEFAULTS = {
-    "max_position_embeddings": 1024, "scale_embedding": False, "tie_word_embeddings": True, "dropout": 0.1,
-    "attention_dropout": 0.0, "init_std": 0.02, "activation_function": "gelu", "decoder_vocab_size": None,
+    "max_position_embeddings": 1024,
+    "scale_embedding": False,
+    "tie_word_embeddings": True,
+    "dropout": 0.1,
+    "attention_dropout": 0.0,
+    "init_std": 0.02,
+    "activation_function": "gelu",
+    "decoder_vocab_size": None,
     "share_encoder_decoder_embeddings": True,
 }
 # keys of older BART/Marian configs that switched variants on (mBART's pre-norm, ...)
-BART_REQUIRED = {"normalize_before": False, "add_final_layer_norm": False, "normalize_embedding": True,
-                 "static_position_embeddings": False, "add_bias_logits": False}
+BART_REQUIRED = {
+    "normalize_before": False,
+    "add_final_layer_norm": False,
+    "normalize_embedding": True,
+    "static_position_embeddings": False,
+    "add_bias_logits": False,
+}
 MARIAN_REQUIRED = {**BART_REQUIRED, "normalize_embedding": False, "static_position_embeddings": True}
 SEQ2SEQ_LAYER: Table = {
     **weight_bias("self_attn.q_proj", "self_attn.q_proj"),
@@ -146,13 +217,21 @@ SEQ2SEQ_CROSS: Table = {
 SEQ2SEQ_HEAD: Table = {"final_logits_bias": (("lm_head.bias",), ROW)}
 SEQ2SEQ_EMBEDDINGS: dict[tuple[bool, bool], Table] = {  # (share_embeddings, tie_embeddings) -> token tables
     (True, True): {"shared.weight": "encoder.tokens.weight"},  # one table for source, target and output
-    (False, True): {"encoder.embed_tokens.weight": "encoder.tokens.weight",
-                    "decoder.embed_tokens.weight": "decoder.tokens.weight"},
-    (False, False): {"encoder.embed_tokens.weight": "encoder.tokens.weight",
-                     "decoder.embed_tokens.weight": "decoder.tokens.weight"},
+    (False, True): {
+        "encoder.embed_tokens.weight": "encoder.tokens.weight",
+        "decoder.embed_tokens.weight": "decoder.tokens.weight",
+    },
+    (False, False): {
+        "encoder.embed_tokens.weight": "encoder.tokens.weight",
+        "decoder.embed_tokens.weight": "decoder.tokens.weight",
+    },
 }
-SEQ2SEQ_IGNORED = ("model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
-                   "lm_head.weight")
+SEQ2SEQ_IGNORED = (
+    "model.shared.weight",
+    "model.encoder.embed_tokens.weight",
+    "model.decoder.embed_tokens.weight",
+    "lm_head.weight",
+)
 
 
 def _seq2seq_in(hf: HFFields) -> dict[str, Any]:
@@ -161,22 +240,31 @@ def _seq2seq_in(hf: HFFields) -> dict[str, Any]:
     # transformers 5 unties every embedding when tie_word_embeddings is false, the shared one included
     share = hf["share_encoder_decoder_embeddings"] and hf["tie_word_embeddings"]
     target_vocab = hf["vocab_size"] if share else hf["decoder_vocab_size"] or hf["vocab_size"]
-    return {"ffn": lookup(MLP_IN, hf["activation_function"], "activation_function"), "share_embeddings": share,
-            "tgt_vocab_size": target_vocab}
+    return {
+        "ffn": lookup(MLP_IN, hf["activation_function"], "activation_function"),
+        "share_embeddings": share,
+        "tgt_vocab_size": target_vocab,
+    }
 
 
 def _seq2seq_out(config: ModelConfig) -> dict[str, Any]:
-    return {"activation_function": lookup(MLP_OUT, config.ffn, "ffn", "Hugging Face"),
-            "decoder_attention_heads": config.n_heads, "decoder_ffn_dim": config.d_ff, "is_encoder_decoder": True}
+    return {
+        "activation_function": lookup(MLP_OUT, config.ffn, "ffn", "Hugging Face"),
+        "decoder_attention_heads": config.n_heads,
+        "decoder_ffn_dim": config.d_ff,
+        "is_encoder_decoder": True,
+    }
 
 
 def _seq2seq_tensors(config: ModelConfig, positions: Table) -> tuple[Table, Table]:
     embeddings = SEQ2SEQ_EMBEDDINGS.get((config.share_embeddings, config.tie_embeddings), {})
     base = {
-        **embeddings, **positions,
+        **embeddings,
+        **positions,
         **per_layer(SEQ2SEQ_LAYER, config.n_encoder_layers, "encoder.layers.{i}.", "encoder.layers.{i}."),
-        **per_layer({**SEQ2SEQ_LAYER, **SEQ2SEQ_CROSS}, config.n_decoder_layers, "decoder.layers.{i}.",
-                  "decoder.layers.{i}."),
+        **per_layer(
+            {**SEQ2SEQ_LAYER, **SEQ2SEQ_CROSS}, config.n_decoder_layers, "decoder.layers.{i}.", "decoder.layers.{i}."
+        ),
     }
     return base, {**SEQ2SEQ_HEAD, **({} if config.tie_embeddings else {"lm_head.weight": "lm_head.weight"})}
 
@@ -202,23 +290,45 @@ def _bart_tensors(config: ModelConfig) -> tuple[Table, Table]:
 
 
 def _marian_out(config: ModelConfig) -> dict[str, Any]:
-    return {**_seq2seq_out(config), "decoder_vocab_size": config.tgt_vocab_size,
-            "share_encoder_decoder_embeddings": config.share_embeddings,
-            "decoder_start_token_id": config.pad_token_id}  # Marian starts decoding from the pad token
+    return {
+        **_seq2seq_out(config),
+        "decoder_vocab_size": config.tgt_vocab_size,
+        "share_encoder_decoder_embeddings": config.share_embeddings,
+        "decoder_start_token_id": config.pad_token_id,
+    }  # Marian starts decoding from the pad token
 
 
 BART = Family(
-    "BartForConditionalGeneration", "bart",
-    {**SEQ2SEQ_FIXED, "position": "learned", "embedding_norm": True}, SEQ2SEQ_RENAMES, SEQ2SEQ_DEFAULTS,
-    _bart_in, _seq2seq_out, _bart_tensors, prefixes=("model.",), required=BART_REQUIRED,
-    ignored=SEQ2SEQ_IGNORED, optional=("final_logits_bias",),
+    "BartForConditionalGeneration",
+    "bart",
+    {**SEQ2SEQ_FIXED, "position": "learned", "embedding_norm": True},
+    SEQ2SEQ_RENAMES,
+    SEQ2SEQ_DEFAULTS,
+    _bart_in,
+    _seq2seq_out,
+    _bart_tensors,
+    prefixes=("model.",),
+    required=BART_REQUIRED,
+    ignored=SEQ2SEQ_IGNORED,
+    optional=("final_logits_bias",),
 )
 MARIAN = Family(
-    "MarianMTModel", "marian",
-    {**SEQ2SEQ_FIXED, "position": "sinusoidal", "sinusoidal_layout": "split", "sinusoidal_base": 10000.0,
-     "embedding_norm": False},
-    SEQ2SEQ_RENAMES, SEQ2SEQ_DEFAULTS, _seq2seq_in, _marian_out, lambda config: _seq2seq_tensors(config, {}),
-    prefixes=("model.",), required=MARIAN_REQUIRED,
+    "MarianMTModel",
+    "marian",
+    {
+        **SEQ2SEQ_FIXED,
+        "position": "sinusoidal",
+        "sinusoidal_layout": "split",
+        "sinusoidal_base": 10000.0,
+        "embedding_norm": False,
+    },
+    SEQ2SEQ_RENAMES,
+    SEQ2SEQ_DEFAULTS,
+    _seq2seq_in,
+    _marian_out,
+    lambda config: _seq2seq_tensors(config, {}),
+    prefixes=("model.",),
+    required=MARIAN_REQUIRED,
     # the sinusoidal tables are not weights: transformers recomputes them and skips them on save
     ignored=(*SEQ2SEQ_IGNORED, "model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"),
     optional=("final_logits_bias",),

@@ -113,8 +113,14 @@ def same_value(hf: HFFields, key: str, other: str) -> None:
 
 
 # Hugging Face activation names (transformers' ACT2FN) -> tformer FFNs, and back
-MLP_IN = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu-tanh", "gelu_pytorch_tanh": "gelu-tanh",
-          "silu": "silu", "swish": "silu"}
+MLP_IN = {
+    "relu": "relu",
+    "gelu": "gelu",
+    "gelu_new": "gelu-tanh",
+    "gelu_pytorch_tanh": "gelu-tanh",
+    "silu": "silu",
+    "swish": "silu",
+}
 MLP_OUT = {"relu": "relu", "gelu": "gelu", "gelu-tanh": "gelu_new", "silu": "swish"}
 GATED_IN = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
 GATED_OUT = {"swiglu": "silu", "geglu": "gelu"}

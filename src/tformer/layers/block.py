@@ -99,7 +99,9 @@ class Block(nn.Module):
         cache_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self_cache, cross_cache = (None, None) if cache is None else (cache.self_attn, cache.cross_attn)
-        x = self.norm_attn(x, lambda h: self.self_attn(h, mask, rotary, cache=self_cache, cache_positions=cache_positions))
+        x = self.norm_attn(
+            x, lambda h: self.self_attn(h, mask, rotary, cache=self_cache, cache_positions=cache_positions)
+        )
         if self.cross_attn is not None:
             x = self.norm_cross(x, lambda h: self.cross_attn(h, memory_mask, context=memory, cache=cross_cache))
         return self.norm_ffn(x, self.ffn)

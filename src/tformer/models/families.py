@@ -7,8 +7,8 @@ from torch import nn
 
 from tformer.config import ModelConfig
 from tformer.layers import make_norm
-from tformer.layers.kv_cache import LayerCache
 from tformer.layers.ffn import ACTIVATIONS
+from tformer.layers.kv_cache import LayerCache
 from tformer.models.base import TransformerModel
 from tformer.models.stack import TransformerStack
 
@@ -91,7 +91,9 @@ class DecoderLM(TransformerModel):
         attention_mask (if any) covers all start+T positions. With `prefix_lengths` (B,) the first tokens of
         each row form a bidirectional prefix (a prefix LM, as in UniLM and T5's prefix-LM objective).
         """
-        hidden = self.decoder(input_ids, attention_mask, positions, cache=cache, start=start, prefix_lengths=prefix_lengths)
+        hidden = self.decoder(
+            input_ids, attention_mask, positions, cache=cache, start=start, prefix_lengths=prefix_lengths
+        )
         return self.lm_head(hidden)
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:

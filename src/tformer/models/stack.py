@@ -115,8 +115,16 @@ class TransformerStack(nn.Module):
         dtype, device = compute_dtype(x), x.device
         position_bias = self.positions.attention_bias(positions, key_positions)
         mask = build_mask(
-            tokens.shape[1], attention_mask, n_keys, self.causal, dtype, device, self.window, position_bias,
-            query_slots, prefix_lengths,
+            tokens.shape[1],
+            attention_mask,
+            n_keys,
+            self.causal,
+            dtype,
+            device,
+            self.window,
+            position_bias,
+            query_slots,
+            prefix_lengths,
         )
         rotary = self.positions.rotary(positions)
         memory_mask = None

@@ -27,7 +27,13 @@ from tformer.serve.errors import APIError, error_body, install_error_handlers
 from tformer.serve.metrics import Metrics
 from tformer.serve.middleware import ApiKeyMiddleware, RequestCounter
 from tformer.serve.protocol import (
-    UNION_FORMS, ChatFormat, ChatRequest, CompletionFormat, CompletionRequest, new_id, usage,
+    UNION_FORMS,
+    ChatFormat,
+    ChatRequest,
+    CompletionFormat,
+    CompletionRequest,
+    new_id,
+    usage,
 )
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -49,12 +55,21 @@ class Server:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tformer",
-                "max_model_len": self.engine.max_model_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tformer",
+            "max_model_len": self.engine.max_model_len,
+        }
 
     def encode(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:
@@ -67,32 +82,52 @@ class Server:
 
     def chat_prompt(self, body: ChatRequest) -> list[int]:
         if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise APIError(400, f"the model {self.model_name!r} has no chat template, so /v1/chat/completions cannot "
-                           "render messages; use /v1/completions with a plain prompt, or serve a tokenizer whose "
-                           "tokenizer_config.json (or GGUF metadata) carries a chat template", param="messages")
+            raise APIError(
+                400,
+                f"the model {self.model_name!r} has no chat template, so /v1/chat/completions cannot "
+                "render messages; use /v1/completions with a plain prompt, or serve a tokenizer whose "
+                "tokenizer_config.json (or GGUF metadata) carries a chat template",
+                param="messages",
+            )
         try:
             text = self.tokenizer.apply_chat_template([m.as_dict() for m in body.messages])
         except DataError as err:  # e.g. the template's raise_exception("roles must alternate")
             raise APIError(400, str(err), param="messages") from None
         except Exception as err:  # noqa: BLE001 -- the template is the model's code, not ours
-            raise APIError(400, f"the chat template failed on these messages ({type(err).__name__}: {err})",
-                           param="messages") from None
+            raise APIError(
+                400, f"the chat template failed on these messages ({type(err).__name__}: {err})", param="messages"
+            ) from None
         return self.encode(text, "messages")
 
     def check_fits(self, prompt_len: int, max_tokens: int, prompt_param: str, tokens_param: str) -> None:
         """Names the parameter at fault when a request overflows the context (the engine checks again)."""
         room = self.engine.room(prompt_len)
         if room < 1:
-            raise APIError(400, f"the prompt has {prompt_len} tokens but the model's context holds "
-                           f"{self.engine.max_model_len}; shorten it", param=prompt_param,
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {prompt_len} tokens but the model's context holds "
+                f"{self.engine.max_model_len}; shorten it",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         if max_tokens > room:
-            raise APIError(400, f"{tokens_param}={max_tokens} is beyond the context: the prompt's {prompt_len} tokens "
-                           f"leave room for {room}; use {tokens_param} <= {room}", param=tokens_param,
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"{tokens_param}={max_tokens} is beyond the context: the prompt's {prompt_len} tokens "
+                f"leave room for {room}; use {tokens_param} <= {room}",
+                param=tokens_param,
+                code="context_length_exceeded",
+            )
 
-    async def run(self, request: Request, ids: list[int], params: SamplingParams, fmt: CompletionFormat,
-                  stream: bool, include_usage: bool = False) -> Response:
+    async def run(
+        self,
+        request: Request,
+        ids: list[int],
+        params: SamplingParams,
+        fmt: CompletionFormat,
+        stream: bool,
+        include_usage: bool = False,
+    ) -> Response:
         """Hands the request to the engine; answers with an SSE stream or the whole completion."""
         started = time.perf_counter()
         try:
@@ -109,8 +144,9 @@ class Server:
         finally:
             self.engine.release(fmt.request_id)
 
-    async def _tracked(self, outputs: AsyncIterator[RequestOutput], endpoint: str, started: float,
-                       n: int) -> AsyncIterator[RequestOutput]:
+    async def _tracked(
+        self, outputs: AsyncIterator[RequestOutput], endpoint: str, started: float, n: int
+    ) -> AsyncIterator[RequestOutput]:
         """Passes outputs through; times the first and the end of the last of `n` samples, counts the tokens."""
         first, unfinished = True, n
         async with aclosing(outputs):
@@ -125,8 +161,14 @@ class Server:
                     self.metrics.latency.observe(now - started, endpoint)
                 yield out
 
-    async def _sse(self, outputs: AsyncIterator[RequestOutput], fmt: CompletionFormat, prompt_tokens: int,
-                   include_usage: bool, n: int) -> AsyncIterator[str]:
+    async def _sse(
+        self,
+        outputs: AsyncIterator[RequestOutput],
+        fmt: CompletionFormat,
+        prompt_tokens: int,
+        include_usage: bool,
+        n: int,
+    ) -> AsyncIterator[str]:
         """Server-sent events: OpenAI chunks as text arrives, a last chunk per sample with its finish reason
         (samples interleave, told apart by their choice index), then [DONE]."""
         generated = 0
@@ -147,8 +189,9 @@ class Server:
                 yield _event(fmt.usage_chunk(usage(prompt_tokens, generated)))
             yield SSE_DONE
 
-    async def _complete(self, request: Request, outputs: AsyncIterator[RequestOutput], fmt: CompletionFormat,
-                        prompt_tokens: int, n: int) -> Response:
+    async def _complete(
+        self, request: Request, outputs: AsyncIterator[RequestOutput], fmt: CompletionFormat, prompt_tokens: int, n: int
+    ) -> Response:
         """The whole completion; if the client disconnects first, the request is cancelled instead."""
         collect = asyncio.ensure_future(_collect(outputs, n))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -249,8 +292,9 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         return await server.run(request, ids, body.sampling_params(max_tokens), fmt, body.stream, body.include_usage)
 
 
-def create_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
-               api_key: str | None = None) -> FastAPI:
+def create_app(
+    engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str, api_key: str | None = None
+) -> FastAPI:
     """The ASGI app; its lifespan starts the engine thread and stops it when the server shuts down."""
 
     @asynccontextmanager

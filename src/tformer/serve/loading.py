@@ -31,8 +31,10 @@ def load_engine(
     check_precision(dtype, quantize)  # before the (slow) loads
     check_precision(dtype, draft_quantize)
     if draft_quantize is not None and draft_model is None:
-        raise ConfigError("a draft quantization needs a draft model (--draft-model); name the served model itself "
-                          "to draft with a quantized copy of it")
+        raise ConfigError(
+            "a draft quantization needs a draft model (--draft-model); name the served model itself "
+            "to draft with a quantized copy of it"
+        )
     net, tokenizer = load_quantized(model, quantize, dtype)
     set_precision(net, dtype, quantize)
     draft = None

@@ -100,12 +100,18 @@ class Metrics:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
         counters = {
             "tformer_preemptions_total": ("Requests preempted for lack of KV blocks", stats.preemptions),
-            "tformer_requests_aborted_total": ("Requests cancelled before finishing (client gone, or shutdown)",
-                                               cancelled),
-            "tformer_spec_decode_draft_tokens_total": ("Draft tokens proposed (speculative decoding)",
-                                                       stats.draft_tokens),
-            "tformer_spec_decode_accepted_tokens_total": ("Draft tokens the target accepted (speculative decoding)",
-                                                          stats.accepted_draft_tokens),
+            "tformer_requests_aborted_total": (
+                "Requests cancelled before finishing (client gone, or shutdown)",
+                cancelled,
+            ),
+            "tformer_spec_decode_draft_tokens_total": (
+                "Draft tokens proposed (speculative decoding)",
+                stats.draft_tokens,
+            ),
+            "tformer_spec_decode_accepted_tokens_total": (
+                "Draft tokens the target accepted (speculative decoding)",
+                stats.accepted_draft_tokens,
+            ),
         }
         for name, (help_text, value) in counters.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]

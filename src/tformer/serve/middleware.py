@@ -27,8 +27,9 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
             given = any(name == b"authorization" for name, _ in scope["headers"])
             message = "the API key is wrong" if given else "an API key is required"
-            response = error_response(401, f"{message}: send the header 'Authorization: Bearer <key>'",
-                                      code="invalid_api_key")
+            response = error_response(
+                401, f"{message}: send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)

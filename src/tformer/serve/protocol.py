@@ -68,8 +68,15 @@ class _GenerationRequest(BaseModel):
         temperature = max(self.temperature, MIN_TEMPERATURE) if self.temperature > 0 else 0.0
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
-            seed=self.seed, stop=stop, ignore_eos=self.ignore_eos, n=self.n, beam_width=self.beam_width,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=max(self.top_k, 0),
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=stop,
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            beam_width=self.beam_width,
             length_penalty=self.length_penalty,
         )
 
@@ -92,8 +99,11 @@ class CompletionRequest(_GenerationRequest):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
-                raise APIError(400, f"batched prompts ({len(prompt)}) are not supported; send one prompt per request",
-                               param="prompt")
+                raise APIError(
+                    400,
+                    f"batched prompts ({len(prompt)}) are not supported; send one prompt per request",
+                    param="prompt",
+                )
             prompt = prompt[0]
         return prompt  # type: ignore[return-value]
 
@@ -150,8 +160,11 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class CompletionFormat:
@@ -164,13 +177,21 @@ class CompletionFormat:
         self.request_id, self.model, self.created = request_id, model, int(time.time())
 
     def _wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     def response(self, samples: list[tuple[str, str | None]], use: dict[str, int]) -> dict[str, Any]:
         """The whole answer: one choice per sample, from (text, finish reason) pairs in index order."""
-        choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                   for i, (text, reason) in enumerate(samples)]
+        choices = [
+            {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            for i, (text, reason) in enumerate(samples)
+        ]
         return self._wrap(choices, usage=use)
 
     def first_chunks(self, n: int) -> list[dict[str, Any]]:
@@ -194,12 +215,20 @@ class ChatFormat(CompletionFormat):
 
     def _wrap(self, choices: list[dict[str, Any]], chunk: bool = True, **extra: Any) -> dict[str, Any]:
         kind = "chat.completion.chunk" if chunk else "chat.completion"
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+        return {
+            "id": self.request_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     def response(self, samples: list[tuple[str, str | None]], use: dict[str, int]) -> dict[str, Any]:
-        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": reason} for i, (text, reason) in enumerate(samples)]
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+            for i, (text, reason) in enumerate(samples)
+        ]
         return self._wrap(choices, chunk=False, usage=use)
 
     def first_chunks(self, n: int) -> list[dict[str, Any]]:

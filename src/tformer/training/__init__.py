@@ -48,8 +48,10 @@ def run_recipe(path: str | Path, overrides: list[str] = (), device: str = "cpu")
         return result
     print(f"\nfinished at step {result['step']} after {result['elapsed']:.0f} s of training")
     if "dev_bleu" in result:
-        print(f"dev BLEU (all {result['dev_sentences']} sentences, beam {train_config.beam_size}): "
-              f"{result['dev_bleu']:.2f}, decoded in {result['dev_seconds']:.0f} s")
+        print(
+            f"dev BLEU (all {result['dev_sentences']} sentences, beam {train_config.beam_size}): "
+            f"{result['dev_bleu']:.2f}, decoded in {result['dev_seconds']:.0f} s"
+        )
         for sample in result["samples"]:
             print(f"  src: {sample['source']}\n  hyp: {sample['hypothesis']}\n  ref: {sample['reference']}")
     if "dev_ppl" in result:
@@ -69,8 +71,14 @@ def load_translator(path: str | Path):
     return lambda sentences, beam_size=4, alpha=0.6: translate(model, tokenizer, sentences, beam_size, alpha)
 
 
-def evaluate_checkpoint(path: str | Path, data: str = "bible:en-de", split: str = "test", beam_size: int = 4,
-                        alpha: float = 0.6, limit: int = 0) -> TranslationResult:
+def evaluate_checkpoint(
+    path: str | Path,
+    data: str = "bible:en-de",
+    split: str = "test",
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    limit: int = 0,
+) -> TranslationResult:
     """sacreBLEU of a checkpoint on the embedded corpus's `split` or on a parallel file."""
     checkpoint = resolve_checkpoint(path)
     model, tokenizer = load(checkpoint), Tokenizer.from_file(checkpoint)

@@ -74,16 +74,31 @@ class TrainConfig(ConfigBase):
             raise ConfigError(f"unknown optimizer '{self.optimizer}'; choose one of: {', '.join(OPTIMIZERS)}")
         if self.objective not in OBJECTIVE_NAMES:
             raise ConfigError(f"unknown objective '{self.objective}'; choose one of: {', '.join(OBJECTIVE_NAMES)}")
-        for name in ("vocab_size", "max_len", "max_tokens", "grad_accum", "max_steps", "eval_every",
-                     "save_every", "keep_last", "log_every", "beam_size", "warmup"):
+        for name in (
+            "vocab_size",
+            "max_len",
+            "max_tokens",
+            "grad_accum",
+            "max_steps",
+            "eval_every",
+            "save_every",
+            "keep_last",
+            "log_every",
+            "beam_size",
+            "warmup",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.max_tokens < self.max_len + 1:
             raise ConfigError(f"max_tokens ({self.max_tokens}) must hold one example of max_len ({self.max_len}) + 1")
-        for name, allowed in (("parallel", PARALLEL_STRATEGIES), ("fsdp_sharding", FSDP_SHARDINGS),
-                              ("fsdp_param_dtype", FSDP_DTYPES), ("fsdp_reduce_dtype", FSDP_DTYPES)):
+        for name, allowed in (
+            ("parallel", PARALLEL_STRATEGIES),
+            ("fsdp_sharding", FSDP_SHARDINGS),
+            ("fsdp_param_dtype", FSDP_DTYPES),
+            ("fsdp_reduce_dtype", FSDP_DTYPES),
+        ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"unknown {name} '{getattr(self, name)}'; choose one of: {', '.join(allowed)}")
         if self.tp_size < 0:

@@ -167,7 +167,9 @@ def parallelize(model: nn.Module, context: DistContext, config: TrainConfig) -> 
     if context.strategy in ("fsdp", "fsdp+tp"):
         shard_fully(model, context.mesh["dp"], config)
     if context.strategy == "ddp":
-        return DistributedDataParallel(model, device_ids=[context.local_rank] if context.device.type == "cuda" else None)
+        return DistributedDataParallel(
+            model, device_ids=[context.local_rank] if context.device.type == "cuda" else None
+        )
     return model
 
 
@@ -183,8 +185,12 @@ def shard_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
             )
     for module in model.modules():
         if isinstance(module, Attention):
-            plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
-                    "out_proj": RowwiseParallel()}
+            plan = {
+                "q_proj": ColwiseParallel(),
+                "k_proj": ColwiseParallel(),
+                "v_proj": ColwiseParallel(),
+                "out_proj": RowwiseParallel(),
+            }
             parallelize_module(module, mesh, plan)
             local_heads = module.n_heads // size
             module.heads = slice(rank * local_heads, (rank + 1) * local_heads)

@@ -49,7 +49,10 @@ def translate(
 
 
 def evaluate_translation(
-    model: EncoderDecoder, tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]], beam_size: int = 4,
+    model: EncoderDecoder,
+    tokenizer: Tokenizer,
+    pairs: Sequence[tuple[str, str]],
+    beam_size: int = 4,
     alpha: float = 0.6,
 ) -> TranslationResult:
     """Translates the sources of `pairs` and scores them against the references with sacreBLEU."""

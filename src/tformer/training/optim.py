@@ -42,18 +42,31 @@ def _decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def paper_adam(model: nn.Module, d_model: int, warmup: int = 4000, scale: float = 1.0, fused: bool = True) -> tuple:
     """Adam(beta1=0.9, beta2=0.98, eps=1e-9) with the inverse-square-root warmup schedule."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9, fused=fused,
-                                 foreach=False if not fused else None)
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9, fused=fused, foreach=False if not fused else None
+    )
     scheduler = LambdaLR(optimizer, lambda step: noam_lr(step + 1, d_model, warmup, scale))
     return optimizer, scheduler
 
 
 def adamw_cosine(
-    model: nn.Module, peak_lr: float, warmup: int, total: int, weight_decay: float = 0.1,
-    betas: tuple[float, float] = (0.9, 0.95), min_ratio: float = 0.1, fused: bool = True,
+    model: nn.Module,
+    peak_lr: float,
+    warmup: int,
+    total: int,
+    weight_decay: float = 0.1,
+    betas: tuple[float, float] = (0.9, 0.95),
+    min_ratio: float = 0.1,
+    fused: bool = True,
 ) -> tuple:
     """AdamW with decoupled weight decay, linear warmup and cosine decay: the modern LLM recipe."""
-    optimizer = torch.optim.AdamW(_decay_groups(model, weight_decay), lr=1.0, betas=betas, eps=1e-8, fused=fused,
-                                  foreach=False if not fused else None)
+    optimizer = torch.optim.AdamW(
+        _decay_groups(model, weight_decay),
+        lr=1.0,
+        betas=betas,
+        eps=1e-8,
+        fused=fused,
+        foreach=False if not fused else None,
+    )
     scheduler = LambdaLR(optimizer, lambda step: warmup_cosine_lr(step, peak_lr, warmup, total, min_ratio))
     return optimizer, scheduler

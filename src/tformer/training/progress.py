@@ -18,8 +18,9 @@ class Progress:
     def __init__(self, enabled: bool, total_steps: int | None, done_steps: int) -> None:
         self.enabled = enabled
         self.plain = not sys.stderr.isatty()
-        self.bar = tqdm(total=total_steps, initial=done_steps, desc="train", dynamic_ncols=True,
-                        disable=not enabled or self.plain)
+        self.bar = tqdm(
+            total=total_steps, initial=done_steps, desc="train", dynamic_ncols=True, disable=not enabled or self.plain
+        )
 
     def advance(self) -> None:
         """One optimizer step done."""

@@ -29,13 +29,33 @@ from tformer.models import CheckpointError
 
 SHARDED_DIR = "sharded"
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"  # its classes are plain dataclasses and enums
-SAFE_GLOBALS = {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout"),
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("collections", "OrderedDict"),
-                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
-SAFE_GLOBALS |= {("torch", str(dtype).removeprefix("torch.")) for dtype in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool)}
+SAFE_GLOBALS = {
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+}
+SAFE_GLOBALS |= {
+    ("torch", str(dtype).removeprefix("torch."))
+    for dtype in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -79,8 +99,11 @@ def save_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer
     """Writes this rank's shards of the model and optimizer state under `path` (a collective on several ranks)."""
     model_state, optimizer_state = get_state_dict(module, optimizer)
     with _quiet_when_alone():
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=dcp.FileSystemWriter(path),
-                 no_dist=not dist.is_initialized())
+        dcp.save(
+            {"model": model_state, "optimizer": optimizer_state},
+            storage_writer=dcp.FileSystemWriter(path),
+            no_dist=not dist.is_initialized(),
+        )
 
 
 def load_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -95,5 +118,7 @@ def load_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer
         raise CheckpointError(f"{path}: cannot load the sharded training state: {cause}") from None
     kernels = [{k: group[k] for k in ("fused", "foreach") if k in group} for group in optimizer.param_groups]
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    for group, kernel in zip(optimizer.param_groups, kernels, strict=True):  # this run's kernel choice, not the saved one's
+    for group, kernel in zip(
+        optimizer.param_groups, kernels, strict=True
+    ):  # this run's kernel choice, not the saved one's
         group.update(kernel)

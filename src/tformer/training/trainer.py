@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 import yaml
-from torch import nn
 from safetensors.torch import load_model
+from torch import nn
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import OBJECTIVES, Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab, causal_lm
@@ -123,8 +123,9 @@ class Trainer:
         if self.dist.is_main:
             self.dist.barrier()
         tokenizer = self.data.tokenizer
-        self.model_config = replace(model_config, vocab_size=tokenizer.vocab_size, tgt_vocab_size=None,
-                                    pad_token_id=tokenizer.pad_id)
+        self.model_config = replace(
+            model_config, vocab_size=tokenizer.vocab_size, tgt_vocab_size=None, pad_token_id=tokenizer.pad_id
+        )
         if self.dist.is_main:
             self._write_recipe()
         torch.manual_seed(train_config.seed)
@@ -251,8 +252,9 @@ class Trainer:
                     lr, mean_loss = self.scheduler.get_last_lr()[0], window_loss / window_tokens
                     left = c.time_budget - self.elapsed if c.time_budget else None
                     self.progress.report(self.step, mean_loss, lr, rate, left)
-                    self._log({"step": self.step, "loss": mean_loss, "lr": lr, "tokens_per_s": rate,
-                               "elapsed": self.elapsed})
+                    self._log(
+                        {"step": self.step, "loss": mean_loss, "lr": lr, "tokens_per_s": rate, "elapsed": self.elapsed}
+                    )
                     window_tokens, window_loss, window_start = 0, 0.0, self.elapsed
                 if self.step % c.eval_every == 0:
                     self._evaluate(c.eval_sentences)
@@ -330,8 +332,9 @@ class Trainer:
             return self._evaluate_perplexity(model, dev) if self.dist.is_main else {}
         result = None
         if self.dist.is_main:
-            result = evaluate_translation(model, self.data.tokenizer, dev, self.config.beam_size,
-                                          self.config.length_penalty)
+            result = evaluate_translation(
+                model, self.data.tokenizer, dev, self.config.beam_size, self.config.length_penalty
+            )
             self._log({"step": self.step, "dev_bleu": result.bleu, "dev_sentences": len(dev)})
             self.progress.write(f"step {self.step}: dev BLEU {result.bleu:.2f} on {len(dev)} sentences")
         compared = min(self.config.eval_sentences, len(dev))
@@ -344,8 +347,12 @@ class Trainer:
             self._save()
         if result is None:  # final evaluation on a rank other than 0
             return {}
-        return {"dev_bleu": result.bleu, "dev_sentences": len(dev), "dev_seconds": result.seconds,
-                "samples": result.samples(3)}
+        return {
+            "dev_bleu": result.bleu,
+            "dev_sentences": len(dev),
+            "dev_seconds": result.seconds,
+            "samples": result.samples(3),
+        }
 
     def _evaluate_perplexity(self, model: TransformerModel, lines: list[str]) -> dict:
         encoded = [ids for ids in self.data.tokenizer.encode_batch(lines) if 0 < len(ids) <= self.config.max_len]
