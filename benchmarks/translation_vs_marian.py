@@ -53,7 +53,7 @@ from tformer.data import (
 from tformer.inference import translate_ids
 from tformer.training.losses import label_smoothed_cross_entropy
 from tformer.training.optim import paper_adam
-from tformer.training.trainer import seed_dropout
+from tformer.training.seeds import seed_dropout
 
 # configs/en-de-10min.yaml
 D_MODEL, N_HEADS, D_FF, N_LAYERS, MAX_POSITIONS = 256, 4, 1024, 3, 256

@@ -191,13 +191,22 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_checkpoint(tmp_path
     assert_bit_equal(run.model.state_dict(), before_bad_step)  # the bad step did not touch the weights
 
 
-def test_divergence_on_the_command_line_is_one_error_line_with_exit_code_2(tmp_path: Path) -> None:
+def test_divergence_on_the_command_line_is_one_error_and_its_remedies_with_exit_code_2(tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path, optimizer="adam-noam", lr=1e30, save_every=1)
     result = tformer_train(recipe)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    message = last_line(result.stderr)
-    diverged = re.fullmatch(r"tformer: error: step (\d+): loss .* is not finite; .*set clip_grad", message)
+    lines = re.split(r"[\r\n]+", result.stderr.strip())
+    start = next(i for i, line in enumerate(lines) if line.startswith("tformer: error:"))
+    message, remedies = lines[start], lines[start + 1 :]
+    diverged = re.fullmatch(r"tformer: error: step (\d+): loss .* is not finite; .*set clip_grad; in order:", message)
     assert diverged, result.stderr
+    assert "First non-finite value: " in message and "not located" not in message
+    assert [line.split(":")[0].strip() for line in remedies] == [
+        "1. train.bf16",
+        "2. train.lr",
+        "3. train.clip_grad",
+        "4. model.init",
+    ]
     assert max(steps(tmp_path / "run")) == int(diverged.group(1)) - 1
     assert_complete(list_checkpoints(tmp_path / "run")[-1])

@@ -31,3 +31,7 @@ class TrainingDiverged(TformerError, RuntimeError):
 
 class DistributedFailure(TformerError, RuntimeError):
     """A collective failed or timed out: another rank died, hung or was stopped."""
+
+
+class TrainingOutOfMemory(TformerError, RuntimeError):
+    """A training step could not allocate memory; the last good checkpoint is kept."""

@@ -160,3 +160,25 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
     for old in list_checkpoints(run_dir)[:-keep_last]:
         if old != best:
             shutil.rmtree(old)
+
+
+def drop_records_after(path: Path, step: int) -> None:
+    """Rewrites a metrics log without the records past `step` (and a line torn by a kill), atomically.
+
+    A run killed after its last checkpoint has logged steps that the resumed run trains and logs again; without
+    this the log and its curves would hold those steps twice.
+    """
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return
+    write_text_atomically(path, "".join(line + "\n" for line in kept))

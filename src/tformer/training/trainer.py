@@ -28,13 +28,13 @@ from torch import nn
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import OBJECTIVES, Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab, causal_lm
-from tformer.errors import TrainingDiverged
-from tformer.files import write_text_atomically
+from tformer.errors import TrainingDiverged, TrainingOutOfMemory
 from tformer.models import WEIGHTS_FILE, CheckpointError, TransformerModel, build_model
 from tformer.training.checkpoint import (
     begin_checkpoint,
     checkpoint_dir,
     commit_checkpoint,
+    drop_records_after,
     list_checkpoints,
     load_trainer_state,
     pending_dir,
@@ -45,6 +45,14 @@ from tformer.training.checkpoint import (
 )
 from tformer.training.config import OBJECTIVE_FAMILIES, TrainConfig
 from tformer.training.corpus import PreparedData, prepare_data
+from tformer.training.diagnose import (
+    LossSpikes,
+    NonFinite,
+    diverged_message,
+    is_out_of_memory,
+    locate_non_finite,
+    out_of_memory_message,
+)
 from tformer.training.distributed import (
     clip_gradients,
     full_state_dict,
@@ -57,46 +65,9 @@ from tformer.training.evaluate import evaluate_translation, forward_logits, perp
 from tformer.training.losses import label_smoothed_cross_entropy
 from tformer.training.optim import adamw_cosine, paper_adam
 from tformer.training.progress import Progress
+from tformer.training.seeds import seed_dropout, stream_seed
 from tformer.training.sharded import SHARDED_DIR, load_sharded, save_sharded
 from tformer.viz import plot_training_curves
-
-
-def stream_seed(seed: int, index: int) -> int:
-    """The seed of random stream `index` of a run seeded with `seed`; 1,000,003 is prime, so streams of
-    neighbouring seeds stay apart for a million indices."""
-    return seed * 1_000_003 + index
-
-
-def seed_dropout(seed: int, step: int, rank: int = 0) -> None:
-    """Seeds torch's global generator for the dropout draws of optimizer step `step` (0-based) on one rank.
-
-    A step's masks then depend on (seed, step, rank) alone: a resumed run draws what an uninterrupted one
-    does, and a loop that runs another model in between (benchmarks/translation_vs_marian.py) draws what
-    `tformer train` does.
-    """
-    torch.manual_seed(stream_seed(seed, step * 1_009 + rank))
-
-
-def drop_records_after(path: Path, step: int) -> None:
-    """Rewrites a metrics log without the records past `step` (and a line torn by a kill), atomically.
-
-    A run killed after its last checkpoint has logged steps that the resumed run trains and logs again; without
-    this the log and its curves would hold those steps twice.
-    """
-    if not path.is_file():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("step", 0) <= step:
-            kept.append(line)
-    if len(kept) == len(lines):
-        return
-    write_text_atomically(path, "".join(line + "\n" for line in kept))
 
 
 class Trainer:
@@ -137,6 +108,8 @@ class Trainer:
         self.vocab = Vocab.of(tokenizer)
         self.step, self.cursor, self.best_bleu, self.elapsed = 0, Cursor(), -1.0, 0.0
         self.stop_requested = False
+        self.grad_norm = math.nan  # of the last step, before clipping
+        self.spikes = LossSpikes()
         self.saved_step = -1
         self._resume()
         # with a time budget the step count is not the limit: show the budget left instead of a step ETA
@@ -207,14 +180,44 @@ class Trainer:
             self.model.parameters(), self.config.clip_grad if self.config.clip_grad > 0 else math.inf
         )
         if not (math.isfinite(total) and torch.isfinite(grad_norm)):
+            culprit = None if self.dist.enabled else self._locate_non_finite(batches)
             raise TrainingDiverged(
-                f"step {self.step + 1}: loss {total / n_tokens} / gradient norm {grad_norm.item()} is not finite; "
-                f"the weights were not updated and the last good checkpoint is kept. Lower the learning rate, "
-                f"raise warmup, or set clip_grad"
+                diverged_message(
+                    self.step + 1, total / n_tokens, grad_norm.item(), culprit, self.config, self.model.config
+                )
             )
+        self.grad_norm = grad_norm.item()
         self.optimizer.step()
         self.scheduler.step()
         return total / n_tokens, n_tokens
+
+    def _step_or_explain(self, batches: list[Seq2SeqBatch | LMBatch]) -> tuple[float, int]:
+        """`train_step`, with an allocation failure turned into the estimate and the fixes, in order."""
+        try:
+            return self.train_step(batches)
+        except (MemoryError, RuntimeError) as err:
+            if not is_out_of_memory(err):
+                raise
+            message = out_of_memory_message(self.step + 1, err, self.config, self.model.config, self._estimate())
+            raise TrainingOutOfMemory(message) from None
+
+    def _estimate(self) -> str | None:
+        return None
+
+    def _locate_non_finite(self, batches: list[Seq2SeqBatch | LMBatch]) -> NonFinite | None:
+        """Replays this step's batches, with its dropout masks, and names the first module that went non-finite."""
+        seed_dropout(self.config.seed, self.step, self.dist.dp_rank)
+        autocast = torch.autocast(self.device.type, torch.bfloat16) if self.config.bf16 else nullcontext()
+        for batch in batches:
+
+            def replay(batch: Seq2SeqBatch | LMBatch = batch) -> torch.Tensor:
+                with autocast:
+                    logits = forward_logits(self.model, batch)
+                return label_smoothed_cross_entropy(logits, batch.labels, self.config.label_smoothing)[0]
+
+            if (culprit := locate_non_finite(self.model, replay)) is not None:
+                return culprit
+        return None
 
     # ---- the loop ---------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -241,8 +244,13 @@ class Trainer:
                     indices, self.cursor = next(stream)
                     if j % dist.dp_size == dist.dp_rank:
                         batches.append(self._batch(indices, self.step * c.grad_accum + j))
-                loss, n_tokens = self.train_step(batches)
+                loss, n_tokens = self._step_or_explain(batches)
                 self.step += 1
+                if (average := self.spikes.check(loss)) is not None:
+                    self.progress.write(
+                        f"warning: step {self.step}: loss {loss:.3f} jumped above "
+                        f"{self.spikes.factor:g}x its recent average {average:.3f}"
+                    )
                 self.elapsed += time.perf_counter() - started
                 window_tokens += n_tokens
                 window_loss += loss * n_tokens
@@ -253,7 +261,14 @@ class Trainer:
                     left = c.time_budget - self.elapsed if c.time_budget else None
                     self.progress.report(self.step, mean_loss, lr, rate, left)
                     self._log(
-                        {"step": self.step, "loss": mean_loss, "lr": lr, "tokens_per_s": rate, "elapsed": self.elapsed}
+                        {
+                            "step": self.step,
+                            "loss": mean_loss,
+                            "lr": lr,
+                            "grad_norm": self.grad_norm,
+                            "tokens_per_s": rate,
+                            "elapsed": self.elapsed,
+                        }
                     )
                     window_tokens, window_loss, window_start = 0, 0.0, self.elapsed
                 if self.step % c.eval_every == 0:
