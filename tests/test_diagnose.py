@@ -77,7 +77,7 @@ def test_diverged_training_names_the_module_and_the_remedies(tmp_path: Path) -> 
     message = str(err.value)
     assert message.startswith("step 5: loss nan")
     assert "First non-finite value: decoder.layers.1.ffn.up_proj (forward" in message
-    for key in ("1. train.bf16: true (now false)", "2. train.lr:", "3. train.clip_grad: 1.0", "4. model.init: gpt2"):
+    for key in ("1. train.bf16: false, already safe", "2. train.lr:", "3. train.clip_grad: 1.0", "4. model.init: gpt2"):
         assert key in message
     assert steps(run.run_dir) == [3]
 

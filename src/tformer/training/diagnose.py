@@ -106,8 +106,8 @@ def nan_remedies(train: TrainConfig, model: ModelConfig) -> list[str]:
     """The fixes for a diverged run, most likely first, each with the recipe key and its current value."""
     lr_meaning = "scale of the noam schedule" if train.optimizer == "adam-noam" else "peak"
     return [
-        f"train.bf16: true (now {str(train.bf16).lower()}) - bf16 keeps fp32's range, so activations cannot "
-        "overflow as in fp16 (tformer never trains in fp16)",
+        f"train.bf16: {'true' if train.bf16 else 'false'}, already safe - the usual first cause, fp16's overflow, "
+        "cannot happen here: tformer trains in fp32 or bf16 autocast, which keeps fp32's range",
         f"train.lr: lower it, e.g. {train.lr / 2:g} (now {train.lr:g}, the {lr_meaning}), or train.warmup: "
         f"raise it, e.g. {train.warmup * 2} (now {train.warmup})",
         f"train.clip_grad: 1.0 (now {train.clip_grad:g}; 0 means no clipping)",
