@@ -267,6 +267,41 @@ def convert(source: str, *, out: str, to: str = "tformer") -> None:
     print(f"wrote {type(model).__name__} ({model.num_parameters():,} parameters) to {out} in {to} format")
 
 
+def bench(
+    model: str,
+    *,
+    quantize: str | None = None,
+    dtype: str = "auto",
+    compile: bool = False,
+    batch: int = 8,
+    prompt_tokens: int = 128,
+    new_tokens: int = 32,
+) -> None:
+    """Measure prefill and decode speed (batch 1 and batch N) against memory bandwidth, and say what would help.
+
+    model: a .gguf file, a tformer checkpoint directory or a Hugging Face directory
+    quantize: int8, int4 or w8a8 for the linear layers (default: none)
+    dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
+    compile: run decode steps through torch.compile (compiled during the warm-up)
+    batch: requests decoded together for the batched figure
+    prompt_tokens: prompt length (random tokens, so the prefix cache cannot help)
+    new_tokens: tokens generated per request
+    """
+    from tformer.inference import EngineConfig
+    from tformer.inference.bench import bench_engine, format_bench, remedies
+    from tformer.serve.loading import load_engine
+
+    for name, value in (("batch", batch), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
+        if value < (2 if name == "new_tokens" else 1):
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least {2 if name == 'new_tokens' else 1}")
+    if compile:
+        _keep_compiled_kernels()
+    config = EngineConfig(compile=compile, prefix_caching=False, max_seqs=max(batch, 1))
+    engine = load_engine(model, config, quantize, dtype)
+    result = bench_engine(engine, prompt_tokens, new_tokens, batch)
+    print(format_bench(model, result, remedies(engine, result)))
+
+
 def presets() -> None:
     """List the named model configurations."""
     from tformer.presets import PRESETS
@@ -284,6 +319,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "serve": serve,
     "average": average,
     "info": info,
+    "bench": bench,
     "viz": viz,
     "presets": presets,
 }
