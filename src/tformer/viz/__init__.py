@@ -1,5 +1,14 @@
-"""Plots: training curves, positional encodings and attention maps (matplotlib, headless)."""
+"""Plots: training curves, position schemes and cross-attention maps (matplotlib, headless)."""
 
 from tformer.viz.plots import plot_attention, plot_positional_encoding, plot_training_curves, read_metrics
+from tformer.viz.positions import POSITION_FIGURES, plot_positions, position_figure
 
-__all__ = ["plot_attention", "plot_positional_encoding", "plot_training_curves", "read_metrics"]
+__all__ = [
+    "POSITION_FIGURES",
+    "plot_attention",
+    "plot_positional_encoding",
+    "plot_positions",
+    "plot_training_curves",
+    "position_figure",
+    "read_metrics",
+]
