@@ -19,6 +19,8 @@ from tformer.inference.attention_map import CrossAttentionMap, cross_attention_m
 from tformer.models import EncoderDecoder
 from tformer.viz import attention_figure, plot_cross_attention
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: threads would only wait on each other
+
 SENTENCE = "In the beginning God created the heaven and the earth."
 TEXTS = [
     "In the beginning God created the heaven and the earth.",
@@ -34,7 +36,9 @@ def tokenizer() -> Tokenizer:
 
 
 def translation_model(tokenizer: Tokenizer, **overrides: object) -> EncoderDecoder:
-    config = tiny_config("tiny-transformer", vocab_size=len(tokenizer), tgt_vocab_size=len(tokenizer), **overrides)
+    """A random tiny translator; its 48-position context caps a search that never emits </s> at 48 tokens."""
+    vocab = len(tokenizer)
+    config = tiny_config("tiny-transformer", vocab_size=vocab, tgt_vocab_size=vocab, max_seq_len=48, **overrides)
     return make_model(config, seed=2)
 
 
@@ -106,7 +110,7 @@ def test_beam_search_map_is_that_of_the_hypothesis_it_returned(tokenizer: Tokeni
 
 
 def test_the_figure_draws_every_layer_and_head_and_the_means(tokenizer: Tokenizer, tmp_path: Path) -> None:
-    model = translation_model(tokenizer)
+    model = ending_early(translation_model(tokenizer, share_embeddings=False), tokenizer)
     attention = cross_attention_map(model, tokenizer, SENTENCE)
     figure = attention_figure(attention)
     panels = {ax.get_title(): np.asarray(ax.images[0].get_array()) for ax in figure.axes if ax.get_visible()}
@@ -128,7 +132,9 @@ def test_the_figure_draws_every_layer_and_head_and_the_means(tokenizer: Tokenize
     assert np.allclose(web["weights"], attention.weights.numpy()) and web["source_tokens"] == attention.source_tokens
 
 
-def test_a_model_without_cross_attention_is_refused(tokenizer: Tokenizer) -> None:
+def test_a_model_without_cross_attention_and_a_sentence_beyond_the_context_are_refused(tokenizer: Tokenizer) -> None:
     model = make_model(tiny_config("tiny-gpt2", vocab_size=len(tokenizer)))
     with pytest.raises(ConfigError, match="encoder-decoder"):
         cross_attention_map(model, tokenizer, SENTENCE)
+    with pytest.raises(ConfigError, match=r"\d+ tokens.*max_seq_len of 48"):
+        cross_attention_map(translation_model(tokenizer), tokenizer, SENTENCE + " " + SENTENCE)

@@ -19,6 +19,8 @@ from tformer import ModelConfig, load
 from tformer.errors import ConfigError
 from tformer.viz import plot_positions, position_figure
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: threads would only wait on each other
+
 
 def axis(figure: Figure, title_start: str) -> Axes:
     """The one visible axes whose title starts with `title_start`."""

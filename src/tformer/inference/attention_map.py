@@ -123,8 +123,13 @@ def cross_attention_map(
     encoded = tokenizer.encode(sentence)
     if not encoded:
         raise ConfigError("the sentence is empty; give the source sentence to translate")
-    output = translate_ids(model, [encoded], bos, eos, pad, beam_size, alpha, extra_len=EXTRA_LEN)[0]
     source_ids = [*encoded, eos]  # translate_ids ends every source with </s>
+    if len(source_ids) > model.config.max_seq_len:
+        raise ConfigError(
+            f"the sentence has {len(source_ids)} tokens with </s>, beyond the model's max_seq_len of "
+            f"{model.config.max_seq_len}; shorten it"
+        )
+    output = translate_ids(model, [encoded], bos, eos, pad, beam_size, alpha, extra_len=EXTRA_LEN)[0]
     limit = min(len(source_ids) + EXTRA_LEN, model.config.max_seq_len)
     output_ids = output + [eos] if len(output) < limit else output  # a search stopped at its limit emitted no </s>
     weights = replay_cross_attention(model, source_ids, output_ids, bos)
