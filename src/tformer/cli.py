@@ -101,26 +101,43 @@ def average(checkpoints: list[str], *, out: str) -> None:
     print(f"averaged {len(checkpoints)} checkpoints into {out}")
 
 
-def viz(kind: str, target: str, *, out: str, length: int = 100) -> None:
-    """Draw a figure to a PNG: training curves of a run, or a model's positional encodings.
+def viz(kind: str, target: str, *, out: str, length: int = 100, model: str | None = None, beam_size: int = 1) -> None:
+    """Draw a figure to a PNG: a run's training curves, a model's position scheme or a translation's cross-attention.
 
-    kind: 'curves' (target: a training run directory) or 'positions' (target: a preset or config file)
-    target: the run directory, preset name or config file
+    kind: 'curves', 'positions' or 'attention'
+    target: for 'curves', a training run directory; for 'positions', a preset, a config file, or a checkpoint or
+      run directory (needed for learned positions: their trained table is drawn); for 'attention', the sentence
     out: PNG file to write
     length: number of positions to draw, for 'positions'
+    model: for 'attention': a translation checkpoint directory, or a training run directory (its best checkpoint)
+    beam_size: for 'attention': the beam width of the translation whose attention is drawn; 1 is greedy search
     """
     from tformer import viz as plots
 
     if kind == "curves":
         plots.plot_training_curves(Path(target) / "metrics.jsonl", out)
     elif kind == "positions":
-        from tformer.layers import sinusoidal_table
+        if Path(target).is_dir():
+            from tformer.models import load
+            from tformer.training.checkpoint import resolve_checkpoint
 
-        config = ModelConfig.from_file(target) if Path(target).is_file() else ModelConfig.from_preset(target)
-        table = sinusoidal_table(length, config.d_model, config.sinusoidal_base, config.sinusoidal_layout)
-        plots.plot_positional_encoding(table, out)
+            source = load(resolve_checkpoint(target))
+        else:
+            source = ModelConfig.from_file(target) if Path(target).is_file() else ModelConfig.from_preset(target)
+        plots.plot_positions(source, out, length)
+    elif kind == "attention":
+        if model is None:
+            raise ConfigError("'attention' needs --model: a translation checkpoint or training run directory")
+        from tformer.data import Tokenizer
+        from tformer.inference.attention_map import cross_attention_map
+        from tformer.models import load
+        from tformer.training.checkpoint import resolve_checkpoint
+
+        checkpoint = resolve_checkpoint(model)
+        attention = cross_attention_map(load(checkpoint), Tokenizer.load(checkpoint), target, beam_size)
+        plots.plot_cross_attention(attention, out)
     else:
-        raise ConfigError(f"unknown figure '{kind}'; choose 'curves' or 'positions'")
+        raise ConfigError(f"unknown figure '{kind}'; choose 'curves', 'positions' or 'attention'")
     print(f"wrote {out}")
 
 
