@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import make_model, tiny_config, tokens
 
+from tformer.errors import RequestError
 from tformer.inference import beam_search, greedy_search, length_penalty, translate_ids
 from tformer.inference.search import beam_search_decoder
 from tformer.layers.kv_cache import CrossKV
@@ -372,3 +373,11 @@ def test_batched_beam_search_gives_each_sentence_its_own_hypothesis_as_sources_f
         "no search ended by </s>: nothing left the batch"
     )
     assert any(len(h) == limit for h, limit in zip(out, limits, strict=True)), "every search ended early"
+
+
+def test_a_source_longer_than_the_positions_is_refused_by_name() -> None:
+    model = make_model(tiny_config("encoder-decoder", position="sinusoidal", max_seq_len=16))
+    fits, too_long = list(range(3, 18)), list(range(3, 19))  # 15 and 16 tokens, plus </s>
+    assert len(translate_ids(model, [fits], 1, 2, 0, beam_size=1, extra_len=2)[0]) <= 16
+    with pytest.raises(RequestError, match=r"source 1 has 16 tokens \(\+ </s>\), more than this model's max_seq_len"):
+        translate_ids(model, [fits, too_long], 1, 2, 0, beam_size=1)

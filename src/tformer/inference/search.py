@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tformer.errors import RequestError
 from tformer.layers.kv_cache import LayerCache
 from tformer.models import DecoderLM, EncoderDecoder
 
@@ -290,7 +291,15 @@ def translate_ids(
     """Decodes each source (token ids, </s> appended here) into at most len(source) + 1 + `extra_len` tokens.
 
     Sources are batched by length and results returned in input order. beam_size 1 means greedy search.
+    A source longer than the model's positions (max_seq_len, with its </s>) is a RequestError naming it.
     """
+    limit = model.config.max_seq_len
+    for i, source in enumerate(sources):
+        if len(source) + 1 > limit:
+            raise RequestError(
+                f"source {i} has {len(source)} tokens (+ </s>), more than this model's max_seq_len of {limit} "
+                "positions; split it into shorter sentences"
+            )
     device = next(model.parameters()).device
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     results: list[list[int]] = [[] for _ in sources]
