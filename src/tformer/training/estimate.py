@@ -2,7 +2,7 @@
 
 The estimate has five parts:
 - weights, gradients and optimizer state: bytes per parameter for the precision (and the ZeRO stage);
-- activations: the tensors tformer's layers save for backward (activations_per_token in estimate_terms.py),
+- activations: the tensors tformer's layers save for backward (activations_per_token in training/memory.py),
   proportional to the batch's tokens, with the attention scores of the math path proportional to tokens x length;
 - temporaries: what lives only for a moment, such as the loss's (tokens, vocabulary) buffers in backward,
   autocast's bf16 copies of the weights and the gathered weights of a ZeRO-3 shard.
@@ -30,7 +30,7 @@ from tformer.info import format_bytes
 from tformer.layers import Block
 from tformer.models import build_model
 from tformer.training.config import OBJECTIVE_FAMILIES, TrainConfig
-from tformer.training.estimate_terms import (
+from tformer.training.memory import (
     PRECISIONS,
     Precision,
     activations_per_token,
