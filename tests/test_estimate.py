@@ -149,3 +149,9 @@ def test_checkpointing_argument_overrides_the_config():
     config = dataclasses.replace(ModelConfig.from_preset("tiny-llama"), activation_checkpointing=True)
     assert estimate_memory(config, 64, 64).checkpointing
     assert not estimate_memory(config, 64, 64, checkpointing=False).checkpointing
+
+
+def test_a_sequence_longer_than_the_position_table_is_refused():
+    config = ModelConfig.from_preset("tiny-gpt2")  # learned positions, max_seq_len 64
+    with pytest.raises(ConfigError, match="lower seq_len or raise model.max_seq_len"):
+        estimate_memory(config, 128, 128)

@@ -106,26 +106,46 @@ def _counts(config: ModelConfig) -> _Counts:
 
 
 def _check(
-    batch_tokens: int, seq_len: int, dtype: str, stage: int, world_size: int, optimizer: str, device: str
+    config: ModelConfig,
+    batch_tokens: int,
+    seq_len: int,
+    dtype: str,
+    stage: int,
+    world_size: int,
+    optimizer: str,
+    device: str,
 ) -> None:
-    if dtype not in PRECISIONS:
-        raise ConfigError(f"unknown dtype '{dtype}'; choose one of: {', '.join(PRECISIONS)}")
-    if optimizer not in OPTIMIZER_STATES:
-        raise ConfigError(f"unknown optimizer '{optimizer}'; choose one of: {', '.join(OPTIMIZER_STATES)}")
+    choices = {"dtype": (dtype, PRECISIONS), "optimizer": (optimizer, OPTIMIZER_STATES), "device": (device, DEVICES)}
+    for name, (value, known) in choices.items():
+        if value not in known:
+            raise ConfigError(f"unknown {name} '{value}'; choose one of: {', '.join(known)}")
     if stage not in ZERO_STAGES:
         raise ConfigError(
             f"ZeRO stage must be 0, 1, 2 or 3, got {stage}; use 0 for DDP or one process, 2 for FSDP grad-op "
             f"(ZeRO-2) and 3 for FSDP full sharding (ZeRO-3)"
         )
-    if device not in DEVICES:
-        raise ConfigError(f"unknown device '{device}'; choose one of: {', '.join(DEVICES)}")
     if world_size < 1:
-        raise ConfigError(f"world size must be at least 1 (the number of data-parallel ranks), got {world_size}")
+        raise ConfigError(f"world size must be at least 1 (data-parallel ranks; 1 for one process), got {world_size}")
     if seq_len < 1 or batch_tokens < seq_len:
         raise ConfigError(
             f"batch tokens ({batch_tokens}) must hold at least one sequence of seq_len ({seq_len}) tokens, "
             f"and seq_len must be at least 1; raise batch tokens or lower seq_len"
         )
+    if config.position in ("learned", "sinusoidal") and seq_len > config.max_seq_len:
+        raise ConfigError(
+            f"seq_len ({seq_len}) is longer than the model's {config.position} position table "
+            f"(max_seq_len {config.max_seq_len}); lower seq_len or raise model.max_seq_len"
+        )
+
+
+def _model_states(n: _Counts, p: Precision, optimizer: str, stage: int, world_size: int) -> tuple[int, int, int]:
+    """Weights (and buffers), gradients and optimizer state (with Adam's step counters) per rank."""
+    shard = {part: world_size if stage >= first else 1 for part, first in (("w", 3), ("g", 2), ("s", 1))}
+    weights = n.n_params * p.weight // shard["w"] + n.buffers * p.weight // 4
+    gradients = n.n_params * p.weight // shard["g"]
+    n_states = OPTIMIZER_STATES[optimizer]
+    states = n.n_params * (p.master + n_states * p.state) + (4 * n.tensors if n_states else 0)
+    return weights, gradients, states // shard["s"]
 
 
 def estimate_memory(
@@ -146,31 +166,19 @@ def estimate_memory(
     checkpointing per block (None: the config's activation_checkpointing). stage: ZeRO stage over `world_size`
     data-parallel ranks. device: "cpu" or "cuda", where bf16 attention over short sequences differs.
     """
-    _check(batch_tokens, seq_len, dtype, stage, world_size, optimizer, device)
-    if checkpointing is None:
-        checkpointing = config.activation_checkpointing
-    if checkpointing != config.activation_checkpointing:
-        config = dataclasses.replace(config, activation_checkpointing=checkpointing)
-    p: Precision = PRECISIONS[dtype]
-    n = _counts(config)
-    shard_weights = world_size if stage >= 3 else 1
-    shard_grads = world_size if stage >= 2 else 1
-    shard_states = world_size if stage >= 1 else 1
-    weights = n.n_params * p.weight // shard_weights + n.buffers * p.weight // 4
-    gradients = n.n_params * p.weight // shard_grads
-    n_states = OPTIMIZER_STATES[optimizer]
-    states = n.n_params * (p.master + n_states * p.state) + (4 * n.tensors if n_states else 0)  # + step counters
-    states //= shard_states
-
-    tokens = batch_tokens
+    _check(config, batch_tokens, seq_len, dtype, stage, world_size, optimizer, device)
+    checkpointing = config.activation_checkpointing if checkpointing is None else checkpointing
+    config = dataclasses.replace(config, activation_checkpointing=checkpointing)
+    p, n, tokens = PRECISIONS[dtype], _counts(config), batch_tokens
+    weights, gradients, states = _model_states(n, p, optimizer, stage, world_size)
     per_token, largest_block = activations_per_token(config, seq_len, p, device)
     head = head_terms(config, p)
     activations = round(tokens * (per_token + head.saved))
-    head_gradient = n.head_weight * p.weight // shard_grads
-    block_backward = tokens * (backward_temporaries(config, seq_len, p, device) - head.log_probs) + head_gradient
-    if checkpointing:  # one block recomputed at a time
-        block_backward += tokens * largest_block
-    temporaries = round(max(tokens * head.loss_buffers, block_backward))
+    # a block's backward, after the loss's has freed the log-probabilities; with checkpointing it recomputes first
+    head_gradient = n.head_weight * p.weight // (world_size if stage >= 2 else 1)
+    block = tokens * (backward_temporaries(config, seq_len, p, device) - head.log_probs) + head_gradient
+    block += tokens * largest_block if checkpointing else 0
+    temporaries = round(max(tokens * head.loss_buffers, block))
     if p.autocast:  # bf16 copies of the weights, saved for backward by each linear layer
         temporaries += 2 * (n.head_weight if checkpointing else n.linear)
     if stage >= 3 and world_size > 1:  # FSDP keeps the root gathered and gathers a block (and prefetches one)
@@ -223,6 +231,7 @@ def recipe_inputs(model: ModelConfig, train: TrainConfig) -> tuple[ModelConfig, 
 
     The batch is the recipe's token budget filled with sequences of the longest length it admits, the worst case.
     """
+    # the trainer takes the vocabulary (and padding id) from the tokenizer the recipe trains
     model = dataclasses.replace(model, vocab_size=train.vocab_size, tgt_vocab_size=None, pad_token_id=0)
     extra = 1 if OBJECTIVE_FAMILIES[train.objective] == "encoder-decoder" else 2  # </s>, or <s> and </s>
     sharded = train.parallel in ("fsdp", "fsdp+tp")
