@@ -119,7 +119,7 @@ def test_recipe_inputs_follow_the_train_section():
     }
     assert model.vocab_size == 4000  # the recipe's tokenizer, as the trainer builds the model
     preset, defaults = load_inputs("tiny-llama")
-    assert defaults == {"batch_tokens": preset.max_seq_len, "seq_len": preset.max_seq_len}
+    assert defaults == {"seq_len": preset.max_seq_len}
 
 
 @pytest.mark.parametrize(

@@ -217,7 +217,8 @@ def format_estimate(name: str, config: ModelConfig, estimate: MemoryEstimate) ->
         f"weights          {format_bytes(e.weights)}",
         f"gradients        {format_bytes(e.gradients)}",
         f"optimizer state  {format_bytes(e.optimizer_state)}",
-        f"                 = {per_param:.1f} bytes per parameter for weights, gradients and optimizer state",
+        f"                 = {per_param:.1f} bytes per parameter for weights, gradients and optimizer state"
+        + (" on this rank" if e.stage and e.world_size > 1 else ""),
         f"activations      {format_bytes(e.activations)} saved for backward",
         f"temporaries      {format_bytes(e.temporaries)} at most at once (loss buffers, casts, gathers)",
         f"peak per rank    {format_bytes(e.total)} when {moment}",
@@ -245,8 +246,8 @@ def recipe_inputs(model: ModelConfig, train: TrainConfig) -> tuple[ModelConfig, 
 
 
 def load_inputs(source: str, overrides: list[str] = ()) -> tuple[ModelConfig, dict[str, Any]]:
-    """A model and estimate_memory's arguments from a recipe (with `section.key=value` overrides), a model config
-    file or a preset name; without a recipe the batch is one sequence of the model's max_seq_len."""
+    """A model and estimate_memory's arguments from a recipe (with `section.key=value` overrides), or a model
+    config file or preset name, for which only seq_len is known: the model's max_seq_len."""
     from tformer.training import load_recipe  # the recipe reader lives beside the trainer
 
     path = Path(source)
@@ -255,4 +256,4 @@ def load_inputs(source: str, overrides: list[str] = ()) -> tuple[ModelConfig, di
     if overrides:
         raise ConfigError(f"overrides ({' '.join(overrides)}) apply to a recipe; {source} is not one")
     config = ModelConfig.from_file(path) if path.is_file() else ModelConfig.from_preset(source)
-    return config, {"batch_tokens": config.max_seq_len, "seq_len": config.max_seq_len}
+    return config, {"seq_len": config.max_seq_len}
