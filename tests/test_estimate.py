@@ -155,3 +155,8 @@ def test_a_sequence_longer_than_the_position_table_is_refused():
     config = ModelConfig.from_preset("tiny-gpt2")  # learned positions, max_seq_len 64
     with pytest.raises(ConfigError, match="lower seq_len or raise model.max_seq_len"):
         estimate_memory(config, 128, 128)
+
+
+def test_measurement_refuses_a_precision_it_cannot_run():
+    with pytest.raises(ConfigError, match="cannot measure dtype 'fp16-mixed'"):
+        measure_training_step(ModelConfig.from_preset("tiny-llama"), 2, 8, "fp16-mixed")

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from tformer.config import ModelConfig
 from tformer.data import LMBatch, Seq2SeqBatch
+from tformer.errors import ConfigError
 from tformer.models import build_model
 from tformer.training.evaluate import forward_logits
 from tformer.training.losses import label_smoothed_cross_entropy
@@ -286,10 +287,6 @@ class MeasuredStep:
     def rss_growth(self) -> int:
         return self.rss_peak - self.rss_start
 
-    @property
-    def tensor_growth(self) -> int:
-        return self.peak_bytes - self.start_bytes
-
 
 def synthetic_batch(config: ModelConfig, batch_size: int, seq_len: int, seed: int = 0) -> Seq2SeqBatch | LMBatch:
     """A batch of `batch_size` random sequences of exactly `seq_len` tokens, as the family's objective makes it."""
@@ -320,6 +317,9 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seq2SeqBatc
     optimizer.step()
 
 
+MEASURED_DTYPES = ("fp32", "bf16-autocast", "bf16-pure")  # mixed precision's master weights are arithmetic
+
+
 def measure_training_step(
     config: ModelConfig, batch_size: int, seq_len: int, dtype: str = "fp32", optimizer: str = "adam", seed: int = 0
 ) -> MeasuredStep:
@@ -328,6 +328,9 @@ def measure_training_step(
     dtype: "fp32", "bf16-autocast" (fp32 weights, bf16 autocast, as `train.bf16`) or "bf16-pure" (the model in
     bf16, Adam state in bf16); optimizer: "adam" (the paper's) or "adamw".
     """
+    for name, value, known in (("dtype", dtype, MEASURED_DTYPES), ("optimizer", optimizer, ("adam", "adamw"))):
+        if value not in known:
+            raise ConfigError(f"cannot measure {name} '{value}' on the CPU; choose one of: {', '.join(known)}")
     torch.manual_seed(seed)
     model = build_model(config)
     if dtype == "bf16-pure":
