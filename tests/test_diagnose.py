@@ -96,6 +96,7 @@ def test_out_of_memory_stops_with_the_fixes_and_keeps_the_checkpoint(tmp_path: P
         run.fit()
     message = str(err.value)
     assert message.startswith("step 4: out of memory (RuntimeError: [enforce fail")
+    assert "estimated peak memory for this config:" in message and "peak per rank" in message
     assert "1. model.activation_checkpointing: true (now false)" in message
     assert "2. train.max_tokens: halve it to 128 and train.grad_accum: double it to 2" in message
     assert steps(run.run_dir) == [2]

@@ -284,6 +284,44 @@ def convert(source: str, *, out: str, to: str = "tformer") -> None:
     print(f"wrote {type(model).__name__} ({model.num_parameters():,} parameters) to {out} in {to} format")
 
 
+def estimate(
+    model: str,
+    overrides: list[str],
+    *,
+    batch_tokens: int | None = None,
+    seq_len: int | None = None,
+    dtype: str | None = None,
+    checkpointing: bool | None = None,
+    stage: int | None = None,
+    world_size: int = 1,
+    optimizer: str | None = None,
+    device: str = "cpu",
+) -> None:
+    """Predict the peak training memory per rank: weights, gradients, optimizer state, activations, temporaries.
+
+    model: a recipe (YAML with model: and train: sections), a model config file or a preset name (e.g. llama2-7b)
+    overrides: section.key=value pairs that override a recipe, e.g. train.max_tokens=8192 model.d_model=512
+    batch_tokens: tokens of one micro-batch on one rank (default: the recipe's max_tokens, else one sequence)
+    seq_len: padded sequence length (default: the recipe's max_len plus <s>/</s>, else the model's max_seq_len)
+    dtype: fp32, bf16-autocast (train.bf16), fp16-mixed or bf16-mixed (half weights and gradients, fp32 master
+      weights and Adam state: 16 bytes per parameter), or bf16-pure (default: the recipe's, else fp32)
+    checkpointing: activation checkpointing of each block (default: the model's activation_checkpointing)
+    stage: ZeRO stage: 0 DDP or one process, 1 optimizer state sharded, 2 and gradients (FSDP grad-op),
+      3 and weights (FSDP full) (default: the recipe's parallel and fsdp_sharding, else 0)
+    world_size: data-parallel ranks that shard (ZeRO) or replicate (DDP) the model
+    optimizer: adam, adamw, adam-noam, adamw-cosine, sgd or sgd-momentum (default: the recipe's, else adam)
+    device: cpu or cuda; on the CPU, bf16 training over at most 256 keys takes the math attention path
+    """
+    from tformer.training.estimate import estimate_memory, format_estimate, load_inputs
+
+    config, inputs = load_inputs(model, overrides)
+    given = {"batch_tokens": batch_tokens, "seq_len": seq_len, "dtype": dtype, "stage": stage, "optimizer": optimizer}
+    inputs.update({key: value for key, value in given.items() if value is not None})
+    inputs.setdefault("batch_tokens", inputs["seq_len"])  # a preset or model file: one sequence per rank
+    result = estimate_memory(config, checkpointing=checkpointing, world_size=world_size, device=device, **inputs)
+    print(format_estimate(model, config, result))
+
+
 def bench(
     model: str,
     *,
@@ -336,6 +374,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "serve": serve,
     "average": average,
     "info": info,
+    "estimate": estimate,
     "bench": bench,
     "viz": viz,
     "presets": presets,

@@ -19,6 +19,7 @@ from torch import nn
 
 from tformer.config import ModelConfig
 from tformer.training.config import TrainConfig
+from tformer.training.estimate import estimate_memory, format_estimate, recipe_inputs
 
 
 @dataclass(frozen=True)
@@ -174,10 +175,20 @@ def diverged_message(
     )
 
 
+def _estimate(train: TrainConfig, model: ModelConfig, world_size: int) -> str | None:
+    """`tformer estimate`'s breakdown of the run, or None: its own error must not hide the allocation failure."""
+    try:
+        config, inputs = recipe_inputs(model, train)
+        return format_estimate("this run", config, estimate_memory(config, world_size=world_size, **inputs))
+    except Exception:
+        return None
+
+
 def out_of_memory_message(
-    step: int, err: BaseException, train: TrainConfig, model: ModelConfig, estimate: str | None
+    step: int, err: BaseException, train: TrainConfig, model: ModelConfig, world_size: int = 1
 ) -> str:
     """The error of a step that could not allocate memory: the estimate's breakdown and what to change."""
+    estimate = _estimate(train, model, world_size)
     breakdown = f"\nestimated peak memory for this config:\n{estimate}" if estimate else ""
     return (
         f"step {step}: out of memory ({type(err).__name__}: {str(err).splitlines()[0][:200]}); the last good "

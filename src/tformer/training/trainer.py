@@ -1,8 +1,9 @@
-"""The training loop: token-budget batches, label-smoothed loss, accumulation, clipping, bf16 autocast,
-atomic checkpoints with bit-exact resume, dev BLEU, JSONL metrics, a progress bar and clean Ctrl-C.
+"""The training loop: token-budget batches, label-smoothed loss, accumulation, clipping, bf16 autocast, atomic
+checkpoints with bit-exact resume, dev BLEU, JSONL metrics, a progress bar, clean Ctrl-C, and an error that says
+where a diverged step went non-finite or what to change when memory runs out (diagnose.py).
 
 Resuming: every checkpoint stores the optimizer and scheduler state and the data cursor, and every random
-choice in a step is drawn from generators seeded by (seed, step), so a run killed at any point and
+choice in a step is drawn from generators seeded by (seed, step) (seeds.py), so a run killed at any point and
 restarted continues to the same weights as an uninterrupted run (bit-exact on the CPU).
 
 On several processes (torchrun; training/distributed.py) every rank walks the same global stream of
@@ -198,11 +199,8 @@ class Trainer:
         except (MemoryError, RuntimeError) as err:
             if not is_out_of_memory(err):
                 raise
-            message = out_of_memory_message(self.step + 1, err, self.config, self.model.config, self._estimate())
+            message = out_of_memory_message(self.step + 1, err, self.config, self.model.config, self.dist.dp_size)
             raise TrainingOutOfMemory(message) from None
-
-    def _estimate(self) -> str | None:
-        return None
 
     def _locate_non_finite(self, batches: list[Seq2SeqBatch | LMBatch]) -> NonFinite | None:
         """Replays this step's batches, with its dropout masks, and names the first module that went non-finite."""
