@@ -6,7 +6,7 @@ norm placement, which costs the same (one LayerNorm per sublayer either way). Th
 the embedded EN-DE corpus, a 4,000-id joint BPE, the token-budget sampler; each timed round steps every
 mode once on the same batch, in alternating order, and the table gives medians.
 
-A step is what tformer's trainer does (translation_vs_marian.Side): dropout seeded per step, forward (under bf16
+A step is what tformer's trainer does (marian_side.Side): dropout seeded per step, forward (under bf16
 autocast where named), the label-smoothed loss (tformer.training.losses, outside both models) over target
 tokens, backward, the paper's Adam and schedule, zero_grad.
 
@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from common import alternating_timing, load_report, median, set_threads
+from marian_side import BatchStream, Side, build_data, build_marian, marian_logits, tformer_logits
 from torch import nn
 from train_step import Report
-from translation_vs_marian import BatchStream, Side, build_data, build_marian, marian_logits, tformer_logits
 
 from tformer import ModelConfig, build_model
 from tformer.layers import Dropout

@@ -30,38 +30,45 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import sacrebleu
 import torch
 from common import busy_processes, load_report, machine_info, median, set_threads, wait_for_idle
-from torch import nn
-from train_step import Report, n_params, source_state  # the report writer and checkout state of train_step
-
-from tformer import ModelConfig, build_model
-from tformer.data import (
-    Seq2SeqBatch,
-    TokenBatchSampler,
-    Tokenizer,
-    bible_pairs,
-    collate_seq2seq,
-    encode_pairs,
-    seq2seq_lengths,
+from marian_side import (
+    ATTN_DROPOUT,
+    D_FF,
+    D_MODEL,
+    DROPOUT,
+    LABEL_SMOOTHING,
+    LR_SCALE,
+    MAX_LEN,
+    MAX_POSITIONS,
+    MAX_TOKENS,
+    N_HEADS,
+    N_LAYERS,
+    WARMUP,
+    BatchStream,
+    Side,
+    build_data,
+    build_marian,
+    build_tformer,
+    marian_logits,
+    mean_loss,
+    tformer_logits,
 )
-from tformer.inference import translate_ids
-from tformer.training.losses import label_smoothed_cross_entropy
-from tformer.training.optim import paper_adam
-from tformer.training.seeds import seed_dropout
+from train_step import Report, n_params, source_state  # the report writer and checkout state of train_step
+from translation_rounds import (
+    DECODE_BATCH,
+    EXTRA_LEN,
+    Pauser,
+    decode,
+    marian_translate_ids,
+    tformer_translate_ids,
+    train,
+)
 
-# configs/en-de-10min.yaml
-D_MODEL, N_HEADS, D_FF, N_LAYERS, MAX_POSITIONS = 256, 4, 1024, 3, 256
-DROPOUT, ATTN_DROPOUT, LABEL_SMOOTHING = 0.1, 0.0, 0.1
-VOCAB_SIZE, MAX_LEN, MAX_TOKENS = 4000, 100, 2048
-LR_SCALE, WARMUP = 0.5, 200
 TFORMER_INITS = {"xavier": "xavier (embeddings N(0, d^-0.5))", "normal": "normal (N(0, 0.02))"}
-EXTRA_LEN, DECODE_BATCH = 50, 32  # translate_ids' defaults: at most len(source) + 50 tokens, 32 sentences a batch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,288 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# ---- data -----------------------------------------------------------------------------------------------
-@dataclass
-class Data:
-    tokenizer: Tokenizer
-    examples: list[tuple[list[int], list[int]]]
-    sampler: TokenBatchSampler
-    n_train_pairs: int
-    test: list[tuple[str, str]]
-
-
-def build_data(seed: int, test_sentences: int) -> Data:
-    """As tformer.training.corpus.prepare_data does for configs/en-de-10min.yaml, without a run directory."""
-    pairs = bible_pairs("en-de", "train")
-    tokenizer = Tokenizer.train([t for pair in pairs for t in pair], VOCAB_SIZE)
-    examples = [ex for ex in encode_pairs(tokenizer, pairs) if max(len(ex[0]), len(ex[1])) <= MAX_LEN]
-    sampler = TokenBatchSampler(seq2seq_lengths(examples), MAX_TOKENS, seed=seed)
-    test = bible_pairs("en-de", "test")
-    return Data(tokenizer, examples, sampler, len(pairs), test[:test_sentences] if test_sentences else test)
-
-
-@dataclass
-class Batch:
-    data: Seq2SeqBatch
-    labels: torch.Tensor
-    tokens: int  # target tokens that take a loss
-
-
-class BatchStream:
-    """The sampler's batches, collated once and shared: both sides' step k trains on batch k."""
-
-    def __init__(self, data: Data) -> None:
-        self.examples, self.stream, self.cache = data.examples, data.sampler.iterate(), []
-
-    def __getitem__(self, k: int) -> Batch:
-        while len(self.cache) <= k:
-            indices, _ = next(self.stream)
-            b = collate_seq2seq([self.examples[i] for i in indices])
-            self.cache.append(Batch(b, b.labels, b.num_tokens))
-        return self.cache[k]
-
-
-# ---- models ---------------------------------------------------------------------------------------------
-def tformer_config(vocab_size: int, init: str = "xavier") -> ModelConfig:
-    """The shape of configs/en-de-10min.yaml as it was when this benchmark was written (post-norm, dropout 0.1)."""
-    return ModelConfig.from_preset(
-        "transformer-base",
-        d_model=D_MODEL,
-        n_heads=N_HEADS,
-        d_ff=D_FF,
-        n_encoder_layers=N_LAYERS,
-        n_decoder_layers=N_LAYERS,
-        max_seq_len=MAX_POSITIONS,
-        vocab_size=vocab_size,
-        dropout=DROPOUT,
-        attn_dropout=ATTN_DROPOUT,
-        init=init,
-    )
-
-
-def build_tformer(vocab_size: int, init: str = "xavier") -> nn.Module:
-    return build_model(tformer_config(vocab_size, init))
-
-
-def build_marian(tokenizer: Tokenizer, shape: ModelConfig | None = None, attention: str = "sdpa") -> nn.Module:
-    """HF's MarianMTModel with tformer's `shape` (default: `tformer_config`'s): layers, widths, heads, positions,
-    dropout; ReLU, scaled, shared and tied embeddings; post-norm, Marian's only placement."""
-    from transformers import GenerationConfig, MarianConfig, MarianMTModel
-
-    shape = shape or tformer_config(tokenizer.vocab_size)
-    config = MarianConfig(
-        vocab_size=tokenizer.vocab_size,
-        d_model=shape.d_model,
-        encoder_layers=shape.n_encoder_layers,
-        decoder_layers=shape.n_decoder_layers,
-        encoder_attention_heads=shape.n_heads,
-        decoder_attention_heads=shape.n_heads,
-        encoder_ffn_dim=shape.d_ff,
-        decoder_ffn_dim=shape.d_ff,
-        max_position_embeddings=shape.max_seq_len,
-        activation_function="relu",
-        dropout=shape.dropout,
-        attention_dropout=shape.attn_dropout,
-        activation_dropout=0.0,
-        scale_embedding=True,
-        share_encoder_decoder_embeddings=True,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_id,
-        eos_token_id=tokenizer.eos_id,
-        decoder_start_token_id=tokenizer.bos_id,
-        forced_eos_token_id=None,  # Marian's default (0) would force <pad> at the length limit
-    )
-    model = MarianMTModel._from_config(config, attn_implementation=attention)
-    assert model.config._attn_implementation == attention, model.config._attn_implementation
-    shared = model.model.shared.weight
-    assert model.lm_head.weight is shared and model.model.decoder.embed_tokens.weight is shared, "not tied"
-    model.generation_config = GenerationConfig(
-        do_sample=False,
-        num_beams=1,
-        decoder_start_token_id=tokenizer.bos_id,
-        eos_token_id=tokenizer.eos_id,
-        pad_token_id=tokenizer.pad_id,
-    )
-    return model
-
-
-def tformer_logits(model: nn.Module) -> Callable[[Seq2SeqBatch], torch.Tensor]:
-    return lambda b: model(b.src, b.tgt_in, b.src_mask, b.tgt_mask)  # as Trainer's forward_logits
-
-
-def marian_logits(model: nn.Module) -> Callable[[Seq2SeqBatch], torch.Tensor]:
-    return lambda b: (
-        model(
-            input_ids=b.src,
-            attention_mask=b.src_mask,
-            decoder_input_ids=b.tgt_in,
-            decoder_attention_mask=b.tgt_mask,
-            use_cache=False,
-        ).logits
-    )
-
-
-# ---- training -------------------------------------------------------------------------------------------
-@dataclass
-class Side:
-    name: str
-    model: nn.Module
-    logits: Callable[[Seq2SeqBatch], torch.Tensor]
-    optimizer: torch.optim.Optimizer = field(init=False)
-    scheduler: torch.optim.lr_scheduler.LRScheduler = field(init=False)
-    bf16: bool = False  # forward and loss under torch.autocast(bfloat16)
-    seed: int = 1  # dropout of step k: seed_dropout(seed, k), as tformer's trainer draws it
-    times: list[float] = field(default_factory=list)  # wall seconds of each step
-    cpu: list[float] = field(default_factory=list)  # this process's CPU seconds of each step
-    tokens: list[int] = field(default_factory=list)  # target tokens of each step
-    losses: list[float] = field(default_factory=list)  # label-smoothed loss per target token of each step
-    decode_seconds: float = 0.0
-    decode_tokens: int = 0  # BPE tokens of the hypotheses, </s> not counted
-    hypotheses: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.optimizer, self.scheduler = paper_adam(self.model, D_MODEL, WARMUP, scale=LR_SCALE)
-
-    @property
-    def elapsed(self) -> float:
-        return sum(self.times)
-
-    def step(self, batch: Batch) -> None:
-        """One optimizer step on `batch`: the same code for both models."""
-        self.model.train()
-        seed_dropout(self.seed, len(self.times))
-        cpu, start = time.process_time(), time.perf_counter()
-        with torch.autocast("cpu", torch.bfloat16, enabled=self.bf16):
-            loss_sum, n_tokens = label_smoothed_cross_entropy(self.logits(batch.data), batch.labels, LABEL_SMOOTHING)
-        (loss_sum / n_tokens).backward()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_sum.item() / batch.tokens
-        self.times.append(time.perf_counter() - start)
-        self.cpu.append(time.process_time() - cpu)
-        self.tokens.append(batch.tokens)
-        self.losses.append(loss)
-
-
-class Pauser:
-    """Waits (outside every timed step) while other processes use a CPU, up to `allowance` seconds in all.
-
-    On 2 cores, a competitor that takes one core stalls each of torch's parallel regions, and steps get up to
-    10x slower; pausing keeps such stretches out of the numbers instead of hoping they hit both sides alike.
-    """
-
-    def __init__(self, allowance: float) -> None:
-        self.allowance, self.left, self.paused, self.count, self.seen = allowance, allowance, 0.0, 0, set()
-
-    def __call__(self) -> None:
-        if self.left <= 0:
-            return
-        busy = busy_processes(0.3, 0.5)
-        if busy == "none":
-            return
-        self.seen.add(busy.split(" (pid")[0])
-        waited, _ = wait_for_idle(self.left)
-        self.left -= waited
-        self.paused += waited
-        self.count += 1
-
-    def summary(self) -> str:
-        return f"paused {self.count} times, {self.paused:.0f}s in all, for: {', '.join(sorted(self.seen)) or '-'}" + (
-            "; pause allowance used up" if self.left <= 0 < self.allowance else ""
-        )
-
-
-def train(sides: Sequence[Side], batches: BatchStream, budget: float, log_every: int, pause: Pauser) -> int:
-    """Alternates the sides step by step on the same batches until each has spent `budget` seconds.
-
-    Returns the number of rounds in which every side stepped (the paired steps).
-    """
-    paired, r = 0, 0
-    while True:
-        active = [s for s in sides if s.elapsed < budget]
-        if not active:
-            return paired
-        if r % 10 == 0:
-            pause()
-        batch = batches[r]
-        for side in active if r % 2 == 0 else active[::-1]:
-            side.step(batch)
-        paired += len(active) == len(sides)
-        r += 1
-        if r % log_every == 0:
-            window = slice(-log_every, None)
-            progress = (
-                f"{s.name} {len(s.times)} steps {s.elapsed:.0f}s loss {mean_loss(s, window):.3f}" for s in sides
-            )
-            print(f"  round {r}: " + "; ".join(progress), flush=True)
-
-
-# ---- decoding -------------------------------------------------------------------------------------------
-@torch.no_grad()
-def marian_translate_ids(model: nn.Module, sources: Sequence[Sequence[int]], tokenizer: Tokenizer) -> list[list[int]]:
-    """Greedy decoding of one batch with generate(), with translate_ids' source format and length limit."""
-    model.eval()
-    eos, pad = tokenizer.eos_id, tokenizer.pad_id
-    rows = [[*s, eos] for s in sources]
-    width = max(len(r) for r in rows)
-    src = torch.full((len(rows), width), pad, dtype=torch.long)
-    for j, row in enumerate(rows):
-        src[j, : len(row)] = torch.tensor(row)
-    max_len = min(width + EXTRA_LEN, MAX_POSITIONS)
-    out = model.generate(
-        input_ids=src, attention_mask=(src != pad).long(), max_new_tokens=max_len, do_sample=False, num_beams=1
-    )
-    ids = out[:, 1:].tolist()  # without the decoder start token <s>
-    return [row[: row.index(eos)] if eos in row else row for row in ids]
-
-
-def tformer_translate_ids(model: nn.Module, sources: Sequence[Sequence[int]], tokenizer: Tokenizer) -> list[list[int]]:
-    return translate_ids(
-        model,
-        sources,
-        tokenizer.bos_id,
-        tokenizer.eos_id,
-        tokenizer.pad_id,
-        beam_size=1,
-        batch_size=DECODE_BATCH,
-        extra_len=EXTRA_LEN,
-    )
-
-
-def decode(
-    sides: Sequence[Side],
-    translators: dict[str, Callable],
-    tokenizer: Tokenizer,
-    sources: list[str],
-    pause: Callable[[], None],
-) -> None:
-    """Greedy translations of `sources` by every side, batch by batch (sorted by length), in alternation."""
-    encoded = tokenizer.encode_batch(sources)
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    outputs: dict[str, list[list[int]]] = {s.name: [[] for _ in encoded] for s in sides}
-    for k, start in enumerate(range(0, len(order), DECODE_BATCH)):
-        chunk = order[start : start + DECODE_BATCH]
-        pause()
-        for side in sides if k % 2 == 0 else sides[::-1]:
-            began = time.perf_counter()
-            ids = translators[side.name](side.model, [encoded[i] for i in chunk], tokenizer)
-            side.decode_seconds += time.perf_counter() - began
-            side.decode_tokens += sum(len(row) for row in ids)
-            for i, row in zip(chunk, ids, strict=True):
-                outputs[side.name][i] = row
-    for side in sides:
-        side.hypotheses = tokenizer.decode_batch(outputs[side.name])
-
-
 # ---- report ---------------------------------------------------------------------------------------------
 def spread(values: list[float]) -> str:
     return f"median {median(values):.3f} [min {min(values):.3f}, max {max(values):.3f}]"
-
-
-def mean_loss(side: Side, window: slice) -> float:
-    tokens, losses = side.tokens[window], side.losses[window]
-    return sum(t * x for t, x in zip(tokens, losses, strict=True)) / sum(tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
