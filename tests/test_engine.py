@@ -337,10 +337,10 @@ def test_a_vanishing_temperature_is_greedy_and_a_bad_prompt_is_a_request_error()
 
 
 def test_prompt_chunks_of_similar_widths_share_a_forward() -> None:
-    from tformer.inference.engine import _by_width
+    from tformer.inference.runner import group_by_width
     from tformer.inference.scheduler import Sequence
 
     items = [(Sequence(str(n), [0] * n, GREEDY), n) for n in (1, 20, 13, 7, 1, 6, 40)]
-    groups = [[n for _, n in group] for group in _by_width(items)]
+    groups = [[n for _, n in group] for group in group_by_width(items)]
     # decodes first; then by width, a group taking a chunk while padding stays within 25% of its tokens
     assert groups == [[1, 1], [40], [20, 13], [7, 6]]

@@ -17,17 +17,18 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from tformer.config import ConfigError
 from tformer.inference.beams import BeamGroup
-from tformer.inference.paged import BlockAllocator, PagedKVCache
-from tformer.inference.runner import StepBatch, make_runner
+from tformer.inference.outputs import Completion, RequestOutput, accumulate
+from tformer.inference.paged import BlockAllocator, kv_bytes_per_token, paged_cache_for
+from tformer.inference.runner import StepBatch, group_by_width, make_runner
 from tformer.inference.sampling import RequestError, SamplingParams, make_generator, sample_token, sampling_probs
 from tformer.inference.scheduler import Scheduler, Sequence, Status
-from tformer.inference.speculative import Drafter, SpeculativeStats, accept_draft
+from tformer.inference.speculative import Drafter, SpeculativeStats, accept_draft, check_draft
 from tformer.inference.text import TextTracker, Tokenizer
 from tformer.models import DecoderLM, EncoderDecoder, TransformerModel
 
@@ -64,30 +65,6 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{name} must be at least {least}, got {getattr(self, name)}")
 
 
-@dataclass
-class RequestOutput:
-    """What one request produced in one step (streaming): new token ids and new text."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    index: int = 0  # which of the request's samples (SamplingParams.n)
-
-
-@dataclass
-class Completion:
-    """A finished request: every generated token id (a final stop token included) and the text."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    index: int = 0
-
-
 class Engine:
     """Generates for many requests at once: `generate(prompts, params)`, `stream(prompt, params)`, `step()`."""
 
@@ -104,10 +81,10 @@ class Engine:
         self.runner = make_runner(model, self.config.compile)
         self.max_model_len = self.config.max_model_len or model.config.max_seq_len
         if draft is not None:
-            _check_draft(model, draft.eval(), self.max_model_len)
+            check_draft(model, draft.eval(), self.max_model_len)
         models = [model] if draft is None else [model, draft]
-        num_blocks = self._num_blocks(sum(_kv_bytes_per_token(m) for m in models))
-        self.kv, *draft_kv = [_paged_cache(m, num_blocks, self.config.block_size) for m in models]
+        num_blocks = self._num_blocks(sum(kv_bytes_per_token(m) for m in models))
+        self.kv, *draft_kv = [paged_cache_for(m, num_blocks, self.config.block_size) for m in models]
         self.allocator = BlockAllocator(num_blocks, self.config.block_size)
         self.drafter = Drafter(draft, draft_kv[0], self.config.compile) if draft is not None else None
         self.speculative = SpeculativeStats()
@@ -239,7 +216,7 @@ class Engine:
         if self.drafter is not None:
             self.drafter.kv.copy_blocks(plan.copies)
         outputs = []
-        for group in _by_width([item for item in plan.scheduled if item[0] not in plan.drafts]):
+        for group in group_by_width([item for item in plan.scheduled if item[0] not in plan.drafts]):
             outputs += self._run(group)
         if plan.drafts:
             outputs += self._speculate(list(plan.drafts), list(plan.drafts.values()))
@@ -380,7 +357,7 @@ class Engine:
         while any(c.finish_reason is None for c in done.values()):
             for out in self.step():
                 if (out.request_id, out.index) in done:
-                    _accumulate(done[out.request_id, out.index], out)
+                    accumulate(done[out.request_id, out.index], out)
         for rid in ids:
             self.abort(rid)  # finished already: this only forgets the request
         return list(done.values())
@@ -403,66 +380,6 @@ class Engine:
             self.abort(rid)
 
 
-def _check_draft(model: TransformerModel, draft: DecoderLM, max_model_len: int) -> None:
-    """A draft must be a decoder-only model on the target's vocabulary that reads the whole context."""
-    if not isinstance(model, DecoderLM) or not isinstance(draft, DecoderLM):
-        raise ConfigError(
-            "speculative decoding in the engine needs a decoder-only target and draft, got "
-            f"{type(model).__name__} and {type(draft).__name__}; serve encoder-decoder models without a draft"
-        )
-    if draft.config.vocab_size != model.config.vocab_size:
-        raise ConfigError(
-            f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
-            f"({model.config.vocab_size}); "
-            "pick a draft trained with the same tokenizer"
-        )
-    if draft.config.max_seq_len < max_model_len:
-        raise ConfigError(
-            f"the draft reads at most {draft.config.max_seq_len} tokens but the engine serves contexts of "
-            f"{max_model_len}; set EngineConfig.max_model_len (--max-model-len) to at most {draft.config.max_seq_len}"
-        )
-
-
-def _kv_bytes_per_token(model: TransformerModel) -> int:
-    mc = model.config
-    element = model.decoder.tokens.weight.element_size()  # the embedding stays in floating point when quantized
-    return mc.n_kv_heads * mc.head_dim * 2 * mc.n_decoder_layers * element
-
-
-def _paged_cache(model: TransformerModel, num_blocks: int, block_size: int) -> PagedKVCache:
-    mc, weight = model.config, model.decoder.tokens.weight
-    return PagedKVCache(
-        mc.n_decoder_layers, num_blocks, block_size, mc.n_kv_heads, mc.head_dim, weight.dtype, weight.device
-    )
-
-
-def _by_width(scheduled: list[tuple[Sequence, int]], max_padding: float = 0.25) -> list[list[tuple[Sequence, int]]]:
-    """Splits a step into forwards: decode rows (one new token) run together; prompt chunks run together when
-    padding them to the widest of their group wastes at most `max_padding` of the group's tokens.
-
-    A batch is padded to its widest row, so one 500-token chunk among 32 decodes would cost 32 x 500 tokens;
-    chunks of similar widths, though, share one forward and its larger matmuls.
-    """
-    decodes = [item for item in scheduled if item[1] == 1]
-    groups: list[list[tuple[Sequence, int]]] = []
-    for item in sorted((item for item in scheduled if item[1] > 1), key=lambda item: -item[1]):
-        group = groups[-1] if groups else None
-        if group is not None and (len(group) + 1) * group[0][1] <= (1 + max_padding) * (
-            sum(n for _, n in group) + item[1]
-        ):
-            group.append(item)
-        else:
-            groups.append([item])
-    return ([decodes] if decodes else []) + groups
-
-
 def _key(request_id: str, index: int) -> str:
     """The engine's key of sample `index` of a request: sample 0 is the request itself."""
     return request_id if index == 0 else f"{request_id}#{index}"
-
-
-def _accumulate(completion: Completion, out: RequestOutput) -> None:
-    completion.token_ids += out.token_ids
-    completion.text += out.text
-    if out.finished:
-        completion.finish_reason = out.finish_reason

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tformer.models import TransformerModel
+
 BlockKey = tuple[object, tuple[int, ...]]  # (key of the previous block or None, this block's token ids)
 
 
@@ -257,3 +259,18 @@ class PagedLayerKV:
         keys = self.k[self.read_slots]  # (B, Tk, Hkv, D)
         values = self.v[self.read_slots]
         return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+def kv_bytes_per_token(model: TransformerModel) -> int:
+    """Bytes of keys and values one token takes in the decoder's cache, every layer."""
+    mc = model.config
+    element = model.decoder.tokens.weight.element_size()  # the embedding stays in floating point when quantized
+    return mc.n_kv_heads * mc.head_dim * 2 * mc.n_decoder_layers * element
+
+
+def paged_cache_for(model: TransformerModel, num_blocks: int, block_size: int) -> PagedKVCache:
+    """A pool of `num_blocks` blocks shaped for the model's decoder, in its embedding's dtype and device."""
+    mc, weight = model.config, model.decoder.tokens.weight
+    return PagedKVCache(
+        mc.n_decoder_layers, num_blocks, block_size, mc.n_kv_heads, mc.head_dim, weight.dtype, weight.device
+    )

@@ -150,3 +150,25 @@ def make_runner(model: TransformerModel, compile: bool = False) -> DecoderRunner
         f"the engine generates with decoder-only and encoder-decoder models, not {type(model).__name__} "
         "(an encoder has no next-token distribution)"
     )
+
+
+def group_by_width(
+    scheduled: list[tuple[Sequence, int]], max_padding: float = 0.25
+) -> list[list[tuple[Sequence, int]]]:
+    """Splits a step into forwards: decode rows (one new token) run together; prompt chunks run together when
+    padding them to the widest of their group wastes at most `max_padding` of the group's tokens.
+
+    A batch is padded to its widest row, so one 500-token chunk among 32 decodes would cost 32 x 500 tokens;
+    chunks of similar widths, though, share one forward and its larger matmuls.
+    """
+    decodes = [item for item in scheduled if item[1] == 1]
+    groups: list[list[tuple[Sequence, int]]] = []
+    for item in sorted((item for item in scheduled if item[1] > 1), key=lambda item: -item[1]):
+        group = groups[-1] if groups else None
+        if group is not None and (len(group) + 1) * group[0][1] <= (1 + max_padding) * (
+            sum(n for _, n in group) + item[1]
+        ):
+            group.append(item)
+        else:
+            groups.append([item])
+    return ([decodes] if decodes else []) + groups

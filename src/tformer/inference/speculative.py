@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tformer.errors import ConfigError
 from tformer.inference.paged import PagedKVCache
 from tformer.inference.runner import DecoderRunner, StepBatch
 from tformer.inference.sampling import RequestError, SamplingParams, make_generator, sampling_probs
 from tformer.inference.scheduler import Sequence
-from tformer.models import DecoderLM
+from tformer.models import DecoderLM, TransformerModel
 
 
 def accept_draft(
@@ -194,3 +195,23 @@ class Drafter:
                 dists[b].append(q)
                 seq.draft_computed = starts[j] + len(chunks[j])
         return proposals, [torch.stack(d) if d else torch.empty(0) for d in dists]
+
+
+def check_draft(model: TransformerModel, draft: DecoderLM, max_model_len: int) -> None:
+    """A draft must be a decoder-only model on the target's vocabulary that reads the whole context."""
+    if not isinstance(model, DecoderLM) or not isinstance(draft, DecoderLM):
+        raise ConfigError(
+            "speculative decoding in the engine needs a decoder-only target and draft, got "
+            f"{type(model).__name__} and {type(draft).__name__}; serve encoder-decoder models without a draft"
+        )
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ConfigError(
+            f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+            f"({model.config.vocab_size}); "
+            "pick a draft trained with the same tokenizer"
+        )
+    if draft.config.max_seq_len < max_model_len:
+        raise ConfigError(
+            f"the draft reads at most {draft.config.max_seq_len} tokens but the engine serves contexts of "
+            f"{max_model_len}; set EngineConfig.max_model_len (--max-model-len) to at most {draft.config.max_seq_len}"
+        )
