@@ -1,0 +1,1 @@
+"""The functions behind `tformer <command>`; `tformer.cli` turns each signature into its command line."""

@@ -1,0 +1,187 @@
+"""The commands that load a model to run it: `generate`, `serve`, `bench` and `convert`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from tformer.errors import CheckpointError, ConfigError
+
+
+def _keep_compiled_kernels() -> None:
+    """Points torch.compile's caches (FX graphs, kernels) at the user's cache directory instead of /tmp, so that
+    a later `--compile` run, after a reboot too, reuses what the first one compiled; $XDG_CACHE_HOME and an
+    explicit $TORCHINDUCTOR_CACHE_DIR are respected."""
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_home / "tformer" / "inductor"))
+
+
+def generate(
+    prompts: list[str],
+    *,
+    model: str,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    chat: bool = True,
+    quantize: str | None = None,
+    dtype: str = "auto",
+    compile: bool = False,
+    draft_model: str | None = None,
+    draft_quantize: str | None = None,
+    speculative_tokens: int = 4,
+) -> None:
+    """Generate text from prompts given as arguments, or one per line from stdin, streaming as it goes.
+
+    model: a .gguf file, a tformer checkpoint directory or a Hugging Face model directory
+    prompts: the prompts; none means read stdin
+    temperature: 0 is greedy
+    chat: wrap each prompt as a user message with the tokenizer's chat template, when it has one
+    quantize: int8 or int4 (weights only) or w8a8 (weights and activations, x86) for the linear layers (default: none)
+    dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
+    compile: run decode steps through torch.compile: the first run spends about 40 s compiling (SmolLM2, 2
+      cores), later runs about 15 s, reusing the kernels cached under ~/.cache/tformer
+    draft_model: a small model on the same tokenizer for speculative decoding (or the model itself, quantized)
+    draft_quantize: int8, int4 or w8a8 quantization of the draft model (default: none)
+    speculative_tokens: draft tokens per decode step, with a draft model
+    """
+    from tformer.inference import EngineConfig, SamplingParams
+    from tformer.serve.loading import load_engine
+
+    if compile:
+        _keep_compiled_kernels()
+    config = EngineConfig(compile=compile, num_speculative_tokens=speculative_tokens)
+    engine = load_engine(model, config, quantize, dtype, draft_model, draft_quantize)
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise CheckpointError(f"{model} has no tokenizer.json; `tformer generate` needs one to read text prompts")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    for prompt in prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]:
+        if chat and tokenizer.chat_template:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        for piece in engine.stream(prompt, params):
+            print(piece.text, end="", flush=True)
+        print()
+
+
+def serve(
+    *,
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    quantize: str | None = None,
+    dtype: str = "auto",
+    max_model_len: int = 0,
+    max_seqs: int = 64,
+    max_batched_tokens: int = 512,
+    kv_cache_mb: int = 1024,
+    compile: bool = False,
+    draft_model: str | None = None,
+    draft_quantize: str | None = None,
+    speculative_tokens: int = 4,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics).
+
+    model: a .gguf file, a tformer checkpoint directory or a Hugging Face model directory
+    host: address to bind; the default, loopback, accepts no other machine (0.0.0.0 accepts all)
+    port: TCP port to listen on
+    api_key: require 'Authorization: Bearer KEY' on /v1 routes (default: $TFORMER_API_KEY, else none)
+    model_name: the model id clients send and /v1/models lists (default: the file or directory name)
+    quantize: int8 or int4 (weights only) or w8a8 (weights and activations, x86) for the linear layers (default: none)
+    dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
+    max_model_len: the context a request may fill, prompt and output (default 0: the model's)
+    max_seqs: requests decoded together in one continuous batch
+    max_batched_tokens: tokens per engine step; longer prompts are prefilled in chunks of this size
+    kv_cache_mb: memory for the paged KV cache, in MiB
+    compile: run decode steps through torch.compile, compiled before the server listens: about 40 s the first
+      time (SmolLM2, 2 cores), about 15 s later, from the kernels cached under ~/.cache/tformer
+    draft_model: a small model on the same tokenizer for speculative decoding (or the model itself, quantized)
+    draft_quantize: int8, int4 or w8a8 quantization of the draft model (default: none)
+    speculative_tokens: draft tokens per decode step, with a draft model
+    """
+    from tformer.inference import EngineConfig
+    from tformer.serve import run_server
+
+    if compile:
+        _keep_compiled_kernels()
+    config = EngineConfig(
+        max_model_len=max_model_len,
+        max_seqs=max_seqs,
+        max_batched_tokens=max_batched_tokens,
+        kv_cache_bytes=kv_cache_mb << 20,
+        compile=compile,
+        num_speculative_tokens=speculative_tokens,
+    )
+    run_server(
+        model,
+        host=host,
+        port=port,
+        api_key=api_key,
+        model_name=model_name,
+        engine_config=config,
+        quantize=quantize,
+        dtype=dtype,
+        draft_model=draft_model,
+        draft_quantize=draft_quantize,
+    )
+
+
+def convert(source: str, *, out: str, to: str = "tformer") -> None:
+    """Convert a model: a GGUF file or Hugging Face directory to a tformer checkpoint, or any of them to HF format.
+
+    source: a .gguf file, a Hugging Face model directory or a tformer checkpoint directory
+    out: the directory to write
+    to: 'tformer' (config.yaml, model.safetensors, tokenizer) or 'hf' (config.json, model.safetensors, tokenizer)
+    """
+    from tformer.interop import load_pretrained, to_hf
+
+    if to not in ("tformer", "hf"):
+        raise ConfigError(f"unknown target format '{to}'; choose 'tformer' or 'hf'")
+    model, tokenizer = load_pretrained(source)
+    if to == "tformer":
+        model.save(out)
+    else:
+        to_hf(model, out)
+    if tokenizer is not None:
+        tokenizer.save(out)
+    print(f"wrote {type(model).__name__} ({model.num_parameters():,} parameters) to {out} in {to} format")
+
+
+def bench(
+    model: str,
+    *,
+    quantize: str | None = None,
+    dtype: str = "auto",
+    compile: bool = False,
+    batch: int = 8,
+    prompt_tokens: int = 128,
+    new_tokens: int = 32,
+) -> None:
+    """Measure prefill and decode speed (batch 1 and batch N) against memory bandwidth, and say what would help.
+
+    model: a .gguf file, a tformer checkpoint directory or a Hugging Face directory
+    quantize: int8, int4 or w8a8 for the linear layers (default: none)
+    dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
+    compile: run decode steps through torch.compile (compiled during the warm-up)
+    batch: requests decoded together for the batched figure
+    prompt_tokens: prompt length (random tokens, so the prefix cache cannot help)
+    new_tokens: tokens generated per request
+    """
+    from tformer.inference import EngineConfig
+    from tformer.inference.bench import bench_engine, format_bench, remedies
+    from tformer.serve.loading import load_engine
+
+    for name, value in (("batch", batch), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
+        if value < (2 if name == "new_tokens" else 1):
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least {2 if name == 'new_tokens' else 1}")
+    if compile:
+        _keep_compiled_kernels()
+    config = EngineConfig(compile=compile, prefix_caching=False, max_seqs=max(batch, 1))
+    engine = load_engine(model, config, quantize, dtype)
+    result = bench_engine(engine, prompt_tokens, new_tokens, batch)
+    print(format_bench(model, result, remedies(engine, result)))

@@ -1,0 +1,112 @@
+"""The training commands: `train`, `eval`, `translate`, `average` and `estimate` (will a run fit?)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def train(recipe: str, overrides: list[str], device: str = "cpu") -> None:
+    """Train a model from a recipe (a YAML file with `model:` and `train:` sections); resumes if interrupted.
+
+    recipe: YAML recipe, e.g. configs/en-de-10min.yaml
+    overrides: section.key=value pairs that override the recipe, e.g. train.max_steps=100 model.d_model=256
+    device: cpu or cuda
+    """
+    from tformer.training import run_recipe
+
+    run_recipe(recipe, overrides, device)
+
+
+def translate(sentences: list[str], *, model: str, beam_size: int = 4, alpha: float = 0.6) -> None:
+    """Translate sentences given as arguments, or one per line from stdin, with a trained checkpoint.
+
+    model: a checkpoint directory, or a training run directory (its best checkpoint is used)
+    sentences: source sentences; none means read stdin
+    beam_size: beam width; 1 is greedy search
+    alpha: length penalty exponent of ((5 + len) / 6) ** alpha
+    """
+    from tformer.training import load_translator
+
+    translator = load_translator(model)
+    lines = sentences or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    for line in translator(lines, beam_size, alpha):
+        print(line)
+
+
+def evaluate(
+    *,
+    model: str,
+    data: str = "bible:en-de",
+    split: str = "test",
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    limit: int = 0,
+) -> None:
+    """Score a translation checkpoint with sacreBLEU on a held-out split or a parallel file.
+
+    model: a checkpoint directory, or a training run directory (its best checkpoint is used)
+    data: 'bible:en-de' / 'bible:en-fr' (uses --split) or a TSV / JSONL file of source and reference
+    split: dev or test, for the embedded corpus
+    limit: score only the first N sentences (0: all)
+    """
+    from tformer.training import evaluate_checkpoint
+
+    result = evaluate_checkpoint(model, data, split, beam_size, alpha, limit)
+    for sample in result.samples(3):
+        print(f"src: {sample['source']}\nhyp: {sample['hypothesis']}\nref: {sample['reference']}\n")
+    name = f"{split} " if data.startswith("bible:") else ""
+    print(
+        f"{name}BLEU {result.bleu:.2f} on {len(result.hypotheses)} sentences, beam {beam_size}, decoded in "
+        f"{result.seconds:.0f} s ({result.signature})"
+    )
+
+
+def average(checkpoints: list[str], *, out: str) -> None:
+    """Average the weights of several checkpoints of one run (the paper averages the last 5 or 20).
+
+    checkpoints: checkpoint directories (checkpoints/step-*)
+    out: directory to write the averaged checkpoint to
+    """
+    from tformer.training.checkpoint import average_checkpoints
+
+    average_checkpoints([Path(c) for c in checkpoints], Path(out))
+    print(f"averaged {len(checkpoints)} checkpoints into {out}")
+
+
+def estimate(
+    model: str,
+    overrides: list[str],
+    *,
+    batch_tokens: int | None = None,
+    seq_len: int | None = None,
+    dtype: str | None = None,
+    checkpointing: bool | None = None,
+    stage: int | None = None,
+    world_size: int = 1,
+    optimizer: str | None = None,
+    device: str = "cpu",
+) -> None:
+    """Predict the peak training memory per rank: weights, gradients, optimizer state, activations, temporaries.
+
+    model: a recipe (YAML with model: and train: sections), a model config file or a preset name (e.g. llama2-7b)
+    overrides: section.key=value pairs that override a recipe, e.g. train.max_tokens=8192 model.d_model=512
+    batch_tokens: tokens of one micro-batch on one rank (default: the recipe's max_tokens, else one sequence)
+    seq_len: padded sequence length (default: the recipe's max_len plus <s>/</s>, else the model's max_seq_len)
+    dtype: fp32, bf16-autocast (train.bf16), fp16-mixed or bf16-mixed (half weights and gradients, fp32 master
+      weights and Adam state: 16 bytes per parameter), or bf16-pure (default: the recipe's, else fp32)
+    checkpointing: activation checkpointing of each block (default: the model's activation_checkpointing)
+    stage: ZeRO stage: 0 DDP or one process, 1 optimizer state sharded, 2 and gradients (FSDP grad-op),
+      3 and weights (FSDP full) (default: the recipe's parallel and fsdp_sharding, else 0)
+    world_size: data-parallel ranks that shard (ZeRO) or replicate (DDP) the model
+    optimizer: adam, adamw, adam-noam, adamw-cosine, sgd or sgd-momentum (default: the recipe's, else adam)
+    device: cpu or cuda; on the CPU, bf16 training over at most 256 keys takes the math attention path
+    """
+    from tformer.training.estimate import estimate_memory, format_estimate, load_inputs
+
+    config, inputs = load_inputs(model, overrides)
+    given = {"batch_tokens": batch_tokens, "seq_len": seq_len, "dtype": dtype, "stage": stage, "optimizer": optimizer}
+    inputs.update({key: value for key, value in given.items() if value is not None})
+    inputs.setdefault("batch_tokens", inputs["seq_len"])  # a preset or model file: one sequence per rank
+    result = estimate_memory(config, checkpointing=checkpointing, world_size=world_size, device=device, **inputs)
+    print(format_estimate(model, config, result))
