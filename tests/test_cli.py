@@ -71,6 +71,8 @@ def modules_after(code: str, names: tuple[str, ...] = HEAVY_MODULES) -> set[str]
 def test_commands_import_only_what_they_need():
     assert modules_after("import tformer.cli", ("torch", *HEAVY_MODULES)) == set()
     assert modules_after("import tformer.cli; tformer.cli.main(['info', 'gpt2'])") == set()
+    help_only = "import tformer.cli\ntry:\n    tformer.cli.main(['--help'])\nexcept SystemExit:\n    pass"
+    assert modules_after(help_only, ("torch", *HEAVY_MODULES)) == set()
     # the probe sees a heavy module when a command does load it
     viz = "import tformer.cli; tformer.cli.main(['viz', 'positions', 'tiny-transformer', '--out', '/dev/null'])"
     assert modules_after(viz, ("matplotlib", "torch")) == {"matplotlib", "torch"}
