@@ -131,18 +131,24 @@ def serve(
     )
 
 
-def convert(source: str, *, out: str, to: str = "tformer") -> None:
+def convert(source: str, *, out: str, to: str = "tformer", merge_lora: str | None = None) -> None:
     """Convert a model: a GGUF file or Hugging Face directory to a tformer checkpoint, or any of them to HF format.
 
     source: a .gguf file, a Hugging Face model directory or a tformer checkpoint directory
     out: the directory to write
     to: 'tformer' (config.yaml, model.safetensors, tokenizer) or 'hf' (config.json, model.safetensors, tokenizer)
+    merge_lora: a LoRA adapters directory (adapters.safetensors, lora.json) trained on SOURCE, merged into the
+        weights before writing (default: none)
     """
     from tformer.interop import load_pretrained, to_hf
 
     if to not in ("tformer", "hf"):
         raise ConfigError(f"unknown target format '{to}'; choose 'tformer' or 'hf'")
     model, tokenizer = load_pretrained(source)
+    if merge_lora is not None:
+        from tformer.training import lora
+
+        lora.merge_lora(lora.load_adapters(model, merge_lora))
     if to == "tformer":
         model.save(out)
     else:
