@@ -10,9 +10,10 @@ from tformer.config import ConfigError, ModelConfig, read_config_file
 from tformer.data import Tokenizer, bible_pairs, read_parallel
 from tformer.models import load
 from tformer.training.checkpoint import resolve_checkpoint
-from tformer.training.config import TrainConfig
+from tformer.training.config import TrainConfig, check_objective
 from tformer.training.distributed import DistributedFailure, shutdown
 from tformer.training.evaluate import TranslationResult, evaluate_translation, translate
+from tformer.training.init_from import recipe_model_config
 from tformer.training.trainer import Trainer, TrainingDiverged
 
 SECTIONS = ("model", "train")
@@ -31,8 +32,12 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> tuple[ModelConfi
         if not sep or not dot or section not in SECTIONS:
             raise ConfigError(f"override '{item}' must look like model.KEY=VALUE or train.KEY=VALUE")
         sections[section][key] = yaml.safe_load(value)
-    model = ModelConfig.from_dict(sections["model"], source=f"{path} (model)")
     train = TrainConfig.from_dict(sections["train"], source=f"{path} (train)")
+    if train.init_from:  # the model comes from the weights; the recipe's model keys may only agree or train
+        model = recipe_model_config(train.init_from, sections["model"], source=f"{path} (model)")
+    else:
+        model = ModelConfig.from_dict(sections["model"], source=f"{path} (model)")
+    check_objective(model, train)
     return model, train
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tformer.config import ConfigBase, ConfigError
+from tformer.config import ConfigBase, ConfigError, ModelConfig
 
 OPTIMIZERS = ("adam-noam", "adamw-cosine")
 OBJECTIVE_FAMILIES = {  # the model family each objective trains
@@ -49,6 +49,9 @@ class TrainConfig(ConfigBase):
     max_steps: int = 100_000
     time_budget: float = 0.0  # seconds of training before stopping cleanly; 0 means no limit
     seed: int = 1
+    # fine-tuning: a tformer checkpoint directory, a Hugging Face model directory or a GGUF file to start from;
+    # the model config and the tokenizer then come with the weights (training/init_from.py)
+    init_from: str | None = None
 
     # evaluation, logging and checkpoints
     out_dir: str = "runs/en-de"
@@ -107,3 +110,21 @@ class TrainConfig(ConfigBase):
             raise ConfigError(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"lr must be a positive finite number, got {self.lr}")
+
+
+def check_objective(model: ModelConfig, train: TrainConfig) -> None:
+    """Raises ConfigError when `train.objective` cannot train `model` (wrong family, or MLM without its head)."""
+    needed = OBJECTIVE_FAMILIES[train.objective]
+    if model.family != needed and train.init_from:
+        fits = [name for name, family in OBJECTIVE_FAMILIES.items() if family == model.family]
+        raise ConfigError(
+            f"objective '{train.objective}' trains a '{needed}' model, but the weights in {train.init_from} are a "
+            f"'{model.family}'; set train.objective to one of: {', '.join(fits)}"
+        )
+    if model.family != needed:
+        raise ConfigError(
+            f"objective '{train.objective}' trains a '{needed}' model, but the model's family is "
+            f"'{model.family}'; change model.family (or pick a preset of that family)"
+        )
+    if train.objective == "mlm" and model.encoder_head != "mlm":
+        raise ConfigError("objective 'mlm' needs the MLM head; set model.encoder_head: mlm")

@@ -52,12 +52,17 @@ def _read_split(config: TrainConfig, split: str) -> list:
     return read_parallel(config.corpus, config.corpus_tgt) if parallel else read_text(config.corpus)
 
 
-def prepare_data(config: TrainConfig, run_dir: Path) -> PreparedData:
-    """Reads the corpus, trains (or reloads, when resuming) the joint BPE, encodes and filters by max_len."""
+def prepare_data(config: TrainConfig, run_dir: Path, pretrained: Tokenizer | None = None) -> PreparedData:
+    """Reads the corpus, trains (or reloads, when resuming) the joint BPE, encodes and filters by max_len.
+
+    A `pretrained` tokenizer (fine-tuning) is used as it is and saved into the run instead of a trained BPE."""
     train_text = _read_split(config, "train")
     saved = run_dir / TOKENIZER_FILE
     if saved.is_file():
         tokenizer = Tokenizer.from_file(saved)
+    elif pretrained is not None:
+        tokenizer = pretrained
+        tokenizer.save(run_dir)
     else:
         texts = [t for pair in train_text for t in pair] if config.objective in PARALLEL_OBJECTIVES else train_text
         tokenizer = Tokenizer.train(texts, config.vocab_size, num_sentinels=_sentinels(config))
@@ -67,7 +72,7 @@ def prepare_data(config: TrainConfig, run_dir: Path) -> PreparedData:
         kept = [ex for ex in encoded if max(len(ex[0]), len(ex[1])) <= config.max_len]
         lengths = seq2seq_lengths(kept)
     else:
-        encoded = tokenizer.encode_batch(train_text)
+        encoded = tokenizer.encode_batch(train_text, add_bos=False)  # the objective adds bos itself
         kept = [ids for ids in encoded if 0 < len(ids) <= config.max_len]
         lengths = lm_lengths(kept)
     if not kept:

@@ -27,7 +27,7 @@ import yaml
 from safetensors.torch import load_model
 from torch import nn
 
-from tformer.config import ConfigError, ModelConfig
+from tformer.config import ModelConfig
 from tformer.data import OBJECTIVES, Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab, causal_lm
 from tformer.errors import TrainingDiverged, TrainingOutOfMemory
 from tformer.models import WEIGHTS_FILE, CheckpointError, TransformerModel, build_model
@@ -44,7 +44,7 @@ from tformer.training.checkpoint import (
     rewrite_trainer_state,
     write_checkpoint_files,
 )
-from tformer.training.config import OBJECTIVE_FAMILIES, TrainConfig
+from tformer.training.config import TrainConfig, check_objective
 from tformer.training.corpus import PreparedData, prepare_data
 from tformer.training.diagnose import (
     LossSpikes,
@@ -63,6 +63,7 @@ from tformer.training.distributed import (
     parallelize,
 )
 from tformer.training.evaluate import evaluate_translation, forward_logits, perplexity
+from tformer.training.init_from import load_init_from, vocab_of
 from tformer.training.losses import label_smoothed_cross_entropy
 from tformer.training.optim import adamw_cosine, paper_adam
 from tformer.training.progress import Progress
@@ -75,14 +76,7 @@ class Trainer:
     """Trains `model_config` with `train_config`, writing everything into `train_config.out_dir`."""
 
     def __init__(self, model_config: ModelConfig, train_config: TrainConfig, device: str = "cpu") -> None:
-        needed = OBJECTIVE_FAMILIES[train_config.objective]
-        if model_config.family != needed:
-            raise ConfigError(
-                f"objective '{train_config.objective}' trains a '{needed}' model, but the model's family is "
-                f"'{model_config.family}'; change model.family (or pick a preset of that family)"
-            )
-        if train_config.objective == "mlm" and model_config.encoder_head != "mlm":
-            raise ConfigError("objective 'mlm' needs the MLM head; set model.encoder_head: mlm")
+        check_objective(model_config, train_config)
         self.config = train_config
         self.run_dir = Path(train_config.out_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"  # one JSON record per line
@@ -91,22 +85,28 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.dist.is_main:  # rank 0 trains the tokenizer (or finds it) first; the others then load it
             self.dist.barrier()
-        self.data: PreparedData = prepare_data(train_config, self.run_dir)
+        # fine-tuning: the weights (on every rank) and their tokenizer; resuming then overwrites the weights
+        pretrained = load_init_from(model_config, train_config.init_from) if train_config.init_from else None
+        self.data: PreparedData = prepare_data(train_config, self.run_dir, pretrained and pretrained.tokenizer)
         if self.dist.is_main:
             self.dist.barrier()
         tokenizer = self.data.tokenizer
-        self.model_config = replace(
-            model_config, vocab_size=tokenizer.vocab_size, tgt_vocab_size=None, pad_token_id=tokenizer.pad_id
+        self.model_config = (
+            model_config
+            if pretrained
+            else replace(
+                model_config, vocab_size=tokenizer.vocab_size, tgt_vocab_size=None, pad_token_id=tokenizer.pad_id
+            )
         )
         if self.dist.is_main:
             self._write_recipe()
         torch.manual_seed(train_config.seed)
-        self.model = build_model(self.model_config).to(self.device)
+        self.model = (pretrained.model if pretrained else build_model(self.model_config)).to(self.device)
         self.module = parallelize(self.model, self.dist, train_config)  # what forward runs on (DDP wraps)
         self._consolidated_model: nn.Module | None = None  # rank 0's unsharded copy, for evaluation and export
         self.optimizer, self.scheduler = self._optimizer()
         self.sampler = TokenBatchSampler(self.data.lengths, train_config.max_tokens, seed=train_config.seed)
-        self.vocab = Vocab.of(tokenizer)
+        self.vocab = vocab_of(tokenizer) if pretrained else Vocab.of(tokenizer)
         self.step, self.cursor, self.best_bleu, self.elapsed = 0, Cursor(), -1.0, 0.0
         self.stop_requested = False
         self.grad_norm = math.nan  # of the last step, before clipping
@@ -368,7 +368,9 @@ class Trainer:
         }
 
     def _evaluate_perplexity(self, model: TransformerModel, lines: list[str]) -> dict:
-        encoded = [ids for ids in self.data.tokenizer.encode_batch(lines) if 0 < len(ids) <= self.config.max_len]
+        encoded = [
+            ids for ids in self.data.tokenizer.encode_batch(lines, add_bos=False) if 0 < len(ids) <= self.config.max_len
+        ]
         batches = [causal_lm(encoded[i : i + 32], self.vocab).to(self.device) for i in range(0, len(encoded), 32)]
         ppl = perplexity(model, batches)
         self._log({"step": self.step, "dev_ppl": ppl, "dev_sentences": len(encoded)})

@@ -1,0 +1,127 @@
+"""Fine-tuning from pretrained weights: `train.init_from` names a tformer checkpoint directory, a Hugging Face
+model directory or a GGUF file.
+
+The model config and the tokenizer come with the weights. A recipe's `model:` section may repeat keys that agree
+with the weights and may set the keys that only change how the model trains (TRAINING_KEYS); any other key that
+differs is a ConfigError. The first checkpoint of such a run is an ordinary tformer checkpoint, and resuming
+reads the run's own checkpoint, never the pretrained weights again (the trainer's `_resume` overwrites them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tformer.config import ConfigError, ModelConfig
+from tformer.data import Tokenizer, Vocab
+from tformer.interop.gguf import GGUF_MAGIC, config_from_gguf, open_gguf
+from tformer.interop.hf import config_from_hf, family_of, read_hf_config
+from tformer.interop.loading import HF_CONFIG_FILE, load_pretrained
+from tformer.models import CONFIG_FILE, CheckpointError, TransformerModel, assign_weights, build_model
+from tformer.presets import PRESETS
+
+# ModelConfig keys that change how the model trains, not what its weights mean
+TRAINING_KEYS = ("dropout", "attn_dropout", "activation_checkpointing", "attention_backend")
+
+# ModelConfig keys that training from scratch sets from the tokenizer, so a preset's values do not count
+TOKENIZER_KEYS = ("vocab_size", "tgt_vocab_size", "pad_token_id")
+
+
+@dataclass
+class Pretrained:
+    """The model to fine-tune (built with the recipe's training keys, holding the pretrained weights) and the
+    tokenizer that came with it."""
+
+    model: TransformerModel
+    tokenizer: Tokenizer
+
+
+def weights_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of the weights at `path`, read from their config or metadata alone (no tensors)."""
+    path = Path(path)
+    if path.is_file():
+        with open(path, "rb") as handle:
+            if handle.read(4) != GGUF_MAGIC:
+                raise ConfigError(f"train.init_from: {path} is not a GGUF file; pass a .gguf file or a model directory")
+        return config_from_gguf(open_gguf(path), path)
+    if (path / CONFIG_FILE).is_file():
+        return ModelConfig.from_file(path / CONFIG_FILE)
+    if (path / HF_CONFIG_FILE).is_file():
+        hf_config = read_hf_config(path)
+        return config_from_hf(family_of(hf_config, path / HF_CONFIG_FILE), hf_config, path / HF_CONFIG_FILE)
+    what = "does not exist" if not path.exists() else f"holds neither {CONFIG_FILE} nor {HF_CONFIG_FILE}"
+    raise ConfigError(
+        f"train.init_from: {path} {what}; pass a tformer checkpoint directory (a run's checkpoints/step-*), "
+        "a Hugging Face model directory or a .gguf file"
+    )
+
+
+def recipe_model_config(init_from: str, keys: dict[str, Any], source: str) -> ModelConfig:
+    """The weights' config with the recipe's `model:` keys applied; a key that contradicts the weights (other
+    than TRAINING_KEYS) is a ConfigError naming it, both values and the fix."""
+    weights = weights_config(init_from)
+    keys = dict(keys)
+    if "preset" in keys:  # a preset's keys count as written, except those training takes from the tokenizer
+        name = keys.pop("preset")
+        if name not in PRESETS:
+            raise ConfigError(f"{source}: unknown preset '{name}'")
+        keys = {**{k: v for k, v in PRESETS[name].items() if k not in TOKENIZER_KEYS}, **keys}
+    merged = ModelConfig.from_dict({**weights.to_dict(), **keys}, source)
+    check_agrees(merged, weights, init_from)
+    return merged
+
+
+def check_agrees(config: ModelConfig, weights: ModelConfig, init_from: str) -> None:
+    """Raises ConfigError when `config` differs from the weights' `weights` config in a key outside TRAINING_KEYS."""
+    for field in dataclasses.fields(ModelConfig):
+        ours, theirs = getattr(config, field.name), getattr(weights, field.name)
+        if field.name in TRAINING_KEYS or ours == theirs:
+            continue
+        raise ConfigError(
+            f"model.{field.name} is {ours!r} in the recipe, but the weights in {init_from} have {theirs!r}; "
+            f"with train.init_from the model comes from the weights: remove model.{field.name} from the recipe "
+            f"(only {', '.join(TRAINING_KEYS)} may differ)"
+        )
+
+
+def load_init_from(model_config: ModelConfig, init_from: str) -> Pretrained:
+    """The pretrained model, rebuilt with `model_config`'s training keys, and its tokenizer.
+
+    The weights are assigned, not copied, into a model built without random initialization. On the CPU a
+    tformer checkpoint's tensors stay privately mapped: training writes copies, never the file.
+    """
+    loaded, tokenizer = load_pretrained(init_from)
+    if tokenizer is None:
+        raise ConfigError(
+            f"train.init_from: {init_from} has no tokenizer; put the model's tokenizer.json (and "
+            "tokenizer_config.json) beside its weights"
+        )
+    check_agrees(model_config, loaded.config, init_from)
+    model = build_model(model_config, initialize=False)
+    missing, unexpected, mismatched = assign_weights(model, loaded.state_dict())
+    if missing or unexpected or mismatched:
+        raise CheckpointError(f"{init_from}: missing {missing}, unexpected {unexpected}, wrong shapes {mismatched}")
+    return Pretrained(model.train(), tokenizer)
+
+
+def vocab_of(tokenizer: Tokenizer) -> Vocab:
+    """The objectives' special ids for a pretrained tokenizer, whose ids are its own (tformer's BPE puts them at
+    0-4). A tokenizer without bos starts sequences with eos (as GPT-2 does); without pad, pads with eos (padding
+    is masked out of attention and of the loss)."""
+    eos = tokenizer.eos_id
+    if eos is None:
+        raise ConfigError("the pretrained tokenizer has no eos token, which the objectives end each example with")
+    bos = eos if tokenizer.bos_id is None else tokenizer.bos_id
+    pad = eos if tokenizer.pad_id is None else tokenizer.pad_id
+    mask = pad if tokenizer.mask_id is None else tokenizer.mask_id
+    return Vocab(
+        tokenizer.vocab_size,
+        pad_id=pad,
+        bos_id=bos,
+        eos_id=eos,
+        mask_id=mask,
+        sentinel_ids=tuple(tokenizer.sentinel_ids),
+        special_ids=frozenset(tokenizer.special_ids),
+    )
