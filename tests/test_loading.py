@@ -129,3 +129,18 @@ def test_loading_in_the_serving_dtype_maps_the_file_and_equals_casting_afterward
             weight.untyped_storage().resize_(weight.untyped_storage().nbytes() * 2)
     ids = torch.randint(1, direct.config.vocab_size, (1, 8))
     assert torch.equal(direct(ids), cast(ids))
+
+
+def test_training_a_mapped_checkpoint_never_writes_its_file(tmp_path: Path) -> None:
+    """The mapping is private: updating loaded weights in place copies their pages, the file stays as saved."""
+    make_model(tiny_config("tiny-llama")).save(tmp_path)
+    before = (tmp_path / "model.safetensors").read_bytes()
+    loaded = load(tmp_path)
+    with torch.no_grad():
+        for param in loaded.parameters():
+            param.add_(1.0)
+    del loaded
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+    assert not torch.equal(
+        load(tmp_path).decoder.tokens.weight, make_model(tiny_config("tiny-llama")).decoder.tokens.weight + 1
+    )
