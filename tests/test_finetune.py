@@ -9,6 +9,7 @@ run, bit for bit, and no tokenizer is trained.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -22,7 +23,7 @@ from safetensors.torch import load_file
 import tformer
 from tformer import ModelConfig, build_model
 from tformer.config import ConfigError
-from tformer.data import Cursor, Tokenizer
+from tformer.data import Cursor, Tokenizer, Vocab, causal_lm
 from tformer.interop.loading import load_pretrained
 from tformer.models import WEIGHTS_FILE
 from tformer.training import load_recipe
@@ -152,9 +153,18 @@ def test_first_step_loss_is_the_pretrained_models_and_training_lowers_it(
 def test_checkpoint_is_ordinary_and_keeps_the_pretrained_tokenizer(
     sources: dict[str, Path], pretrained: Path, tmp_path: Path
 ) -> None:
-    run = trainer(write_recipe(tmp_path, sources["tformer"], max_steps=5))
+    dev = tmp_path / "dev.txt"
+    dev.write_text("\n".join(LINES[:6]) + "\n", encoding="utf-8")
+    run = trainer(write_recipe(tmp_path, sources["tformer"], max_steps=5, dev_corpus=str(dev)))
     run.fit()
     theirs = Tokenizer.load(pretrained)
+    # before the first step the run scores the pretrained model on dev: its perplexity, computed here directly
+    kept = [ids for ids in theirs.encode_batch(LINES[:6]) if len(ids) <= 32]  # the recipe's max_len
+    batch = causal_lm(kept, Vocab.of(theirs))
+    first = json.loads((run.run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0 and first["dev_ppl"] == pytest.approx(
+        math.exp(reference_loss(tformer.load(pretrained), batch))
+    )
     checkpoint = list_checkpoints(run.run_dir)[0]
     model, tokenizer = load_pretrained(checkpoint)  # what `tformer generate` and `tformer serve` load
     assert model.config == tformer.load(pretrained).config

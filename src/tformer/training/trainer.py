@@ -233,6 +233,8 @@ class Trainer:
         stream = self.sampler.iterate(self.cursor)  # the global stream: the same on every rank
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
         window_tokens, window_loss, window_start = 0, 0.0, self.elapsed  # training time only, no eval
+        if c.init_from and self.step == 0:  # the pretrained model's dev score: the baseline of a fine-tune
+            self._evaluate(c.eval_sentences)
         try:
             while self.step < c.max_steps and not dist.any_rank(self.stop_requested or self._out_of_time()):
                 started = time.perf_counter()
