@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -17,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from helpers import steps, trainer
+from helpers import ENV, steps, trainer
 from safetensors.torch import load_file
 
 import tformer
@@ -213,3 +215,21 @@ def test_interrupted_run_resumes_bit_exactly_from_its_own_checkpoint(pretrained:
     b = load_file(list_checkpoints(resumed.run_dir)[-1] / WEIGHTS_FILE)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert losses(whole.run_dir) == losses(resumed.run_dir)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_follow_the_single_process_run(strategy: str, pretrained: Path, tmp_path: Path) -> None:
+    """Every rank loads the weights, then they are sharded as when training from scratch (torchrun, gloo)."""
+    recipe = write_recipe(tmp_path, pretrained, grad_accum=2, max_steps=4, save_every=4)
+    single = trainer(recipe, f"train.out_dir={tmp_path / 'single'}")
+    single.fit()
+    out_dir = tmp_path / strategy
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += ["-m", "tformer", "train", str(recipe), f"train.out_dir={out_dir}", f"train.parallel={strategy}"]
+    result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(out_dir) == pytest.approx(losses(single.run_dir), rel=1e-5)
+    a = load_file(list_checkpoints(single.run_dir)[-1] / WEIGHTS_FILE)
+    b = load_file(list_checkpoints(out_dir)[-1] / WEIGHTS_FILE)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=0, msg=name)
