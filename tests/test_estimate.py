@@ -122,6 +122,18 @@ def test_recipe_inputs_follow_the_train_section():
     assert defaults == {"seq_len": preset.max_seq_len}
 
 
+def test_a_fine_tuning_recipe_counts_the_pretrained_models_parameters(tmp_path: Path) -> None:
+    """With train.init_from the vocabulary is the weights', not train.vocab_size: the count equals the model's."""
+    from tformer import build_model
+
+    pretrained = build_model(ModelConfig.from_preset("tiny-llama", vocab_size=500))
+    pretrained.save(tmp_path / "base")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"train:\n  init_from: {tmp_path / 'base'}\n  objective: clm\n  vocab_size: 8000\n")
+    model, _ = load_inputs(str(recipe))
+    assert estimate_memory(model, batch_tokens=64, seq_len=32).n_params == pretrained.num_parameters()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -232,8 +232,10 @@ def recipe_inputs(model: ModelConfig, train: TrainConfig) -> tuple[ModelConfig, 
 
     The batch is the recipe's token budget filled with sequences of the longest length it admits, the worst case.
     """
-    # the trainer takes the vocabulary (and padding id) from the tokenizer the recipe trains
-    model = dataclasses.replace(model, vocab_size=train.vocab_size, tgt_vocab_size=None, pad_token_id=0)
+    # the trainer takes the vocabulary (and padding id) from the tokenizer the recipe trains, unless the model and
+    # its tokenizer come from pretrained weights (train.init_from)
+    if not train.init_from:
+        model = dataclasses.replace(model, vocab_size=train.vocab_size, tgt_vocab_size=None, pad_token_id=0)
     extra = 1 if OBJECTIVE_FAMILIES[train.objective] == "encoder-decoder" else 2  # </s>, or <s> and </s>
     sharded = train.parallel in ("fsdp", "fsdp+tp")
     return model, {
