@@ -14,13 +14,16 @@ from tformer.training.config import TrainConfig, check_objective
 from tformer.training.distributed import DistributedFailure, shutdown
 from tformer.training.evaluate import TranslationResult, evaluate_translation, translate
 from tformer.training.init_from import recipe_model_config
+from tformer.training.lora import LoRAConfig
 from tformer.training.trainer import Trainer, TrainingDiverged
 
-SECTIONS = ("model", "train")
+SECTIONS = ("model", "train", "lora")
 
 
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> tuple[ModelConfig, TrainConfig]:
-    """Reads a recipe (`model:` and `train:` sections) and applies `section.key=value` overrides."""
+    """Reads a recipe (`model:`, `train:` and, for LoRA, `lora:` sections) and applies `section.key=value`
+    overrides. A `lora:` section (even an empty one: the defaults) makes the run train LoRA adapters only; it is
+    carried by the TrainConfig as `train.lora`."""
     data = read_config_file(path)
     for key in data:
         if key not in SECTIONS:
@@ -30,8 +33,12 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> tuple[ModelConfi
         dotted, sep, value = item.partition("=")
         section, dot, key = dotted.partition(".")
         if not sep or not dot or section not in SECTIONS:
-            raise ConfigError(f"override '{item}' must look like model.KEY=VALUE or train.KEY=VALUE")
+            raise ConfigError(f"override '{item}' must look like model.KEY=VALUE, train.KEY=VALUE or lora.KEY=VALUE")
         sections[section][key] = yaml.safe_load(value)
+    if "lora" in sections["train"]:
+        raise ConfigError(f"{path}: train.lora is not a train key; put the LoRA options in a top-level lora: section")
+    if "lora" in data or sections["lora"]:
+        sections["train"]["lora"] = _lora_section(sections["lora"], source=f"{path} (lora)")
     train = TrainConfig.from_dict(sections["train"], source=f"{path} (train)")
     if train.init_from:  # the model comes from the weights; the recipe's model keys may only agree or train
         model = recipe_model_config(train.init_from, sections["model"], source=f"{path} (model)")
@@ -39,6 +46,14 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> tuple[ModelConfi
         model = ModelConfig.from_dict(sections["model"], source=f"{path} (model)")
     check_objective(model, train)
     return model, train
+
+
+def _lora_section(section: dict, source: str) -> dict:
+    """The `lora:` section, validated: an unknown key or a bad value is a ConfigError that names it."""
+    try:
+        return LoRAConfig.from_dict(section).to_dict()
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
 
 
 def run_recipe(path: str | Path, overrides: list[str] = (), device: str = "cpu") -> dict:
@@ -62,6 +77,8 @@ def run_recipe(path: str | Path, overrides: list[str] = (), device: str = "cpu")
     if "dev_ppl" in result:
         print(f"dev perplexity ({result['dev_sentences']} lines): {result['dev_ppl']:.2f}")
     print(f"checkpoints in {train_config.out_dir}")
+    if train_config.lora is not None:  # the checkpoints hold adapters only: merge them to serve
+        print(f"to serve: tformer convert {train_config.init_from} --merge-lora <a checkpoint> --out <dir>")
     if train_config.objective == "seq2seq":
         print(f"try: tformer translate --model {train_config.out_dir} 'In the beginning was the Word.'")
     return result

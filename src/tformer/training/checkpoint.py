@@ -9,6 +9,8 @@ A run directory looks like::
       best.json                      {"step", "bleu", "dev_sentences"}: the checkpoint `tformer translate` uses
       checkpoints/step-00000500/     config.yaml, model.safetensors, tokenizer.json, tokenizer_config.json,
                                      trainer_state.pt, sharded/
+      (a LoRA run's)                 adapters.safetensors, lora.json, tokenizer files, trainer_state.pt
+                                     (with the adapters' optimizer state); see training/lora_run.py
 
 model.safetensors holds the whole (consolidated) weights for inference, however many ranks trained them.
 sharded/ holds the model and optimizer state as written by torch.distributed.checkpoint, one shard per
@@ -34,6 +36,7 @@ from tformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from tformer.data.tokenizer import Tokenizer
 from tformer.files import write_text_atomically
 from tformer.models import CheckpointError, TransformerModel, load
+from tformer.training.lora_run import save_weights
 
 STATE_FILE = "trainer_state.pt"
 BEST_FILE = "best.json"
@@ -58,8 +61,9 @@ def begin_checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def write_checkpoint_files(tmp: Path, model: TransformerModel, tokenizer: Any, state: dict) -> None:
-    """The consolidated weights, the tokenizer and the trainer `state` (step, cursor, scheduler, ...)."""
-    model.save(tmp)
+    """The consolidated weights (a LoRA model's adapters only), the tokenizer and the trainer `state` (step,
+    cursor, scheduler, ...)."""
+    save_weights(model, tmp)
     tokenizer.save(tmp)
     torch.save(state, tmp / STATE_FILE)
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from tformer.config import ConfigBase, ConfigError, ModelConfig
+from tformer.training.lora import LoRAConfig
 
 OPTIMIZERS = ("adam-noam", "adamw-cosine")
 OBJECTIVE_FAMILIES = {  # the model family each objective trains
@@ -52,6 +53,8 @@ class TrainConfig(ConfigBase):
     # fine-tuning: a tformer checkpoint directory, a Hugging Face model directory or a GGUF file to start from;
     # the model config and the tokenizer then come with the weights (training/init_from.py)
     init_from: str | None = None
+    # LoRA: the recipe's `lora:` section (rank, alpha, dropout, target_modules; training/lora_run.py), or None
+    lora: dict | None = None
 
     # evaluation, logging and checkpoints
     out_dir: str = "runs/en-de"
@@ -110,6 +113,29 @@ class TrainConfig(ConfigBase):
             raise ConfigError(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"lr must be a positive finite number, got {self.lr}")
+        if self.lora is not None:
+            self._check_lora()
+
+    def _check_lora(self) -> None:
+        self.lora = LoRAConfig.from_dict(self.lora).to_dict()  # validated, with the defaults written out
+        if not self.init_from:
+            raise ConfigError("a lora: section fine-tunes pretrained weights; set train.init_from to them")
+        if self.parallel != "auto":
+            raise ConfigError(
+                f"LoRA trains in one process only: train.parallel '{self.parallel}' (ddp, FSDP, tensor parallel) "
+                "is not supported with a lora: section; remove train.parallel and run without torchrun"
+            )
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA options of this run, or None for a full fine-tune or training from scratch."""
+        return LoRAConfig.from_dict(self.lora) if self.lora is not None else None
+
+    def recipe(self, model: ModelConfig) -> dict:
+        """The recipe this run is (model, train and, for LoRA, lora sections), as `tformer train` reads it."""
+        train = self.to_dict()
+        lora = train.pop("lora")
+        return {"model": model.to_dict(), "train": train, **({"lora": lora} if lora is not None else {})}
 
 
 def check_objective(model: ModelConfig, train: TrainConfig) -> None:

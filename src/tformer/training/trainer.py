@@ -24,13 +24,12 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import load_model
 from torch import nn
 
 from tformer.config import ModelConfig
 from tformer.data import OBJECTIVES, Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab, causal_lm
 from tformer.errors import TrainingDiverged, TrainingOutOfMemory
-from tformer.models import WEIGHTS_FILE, CheckpointError, TransformerModel, build_model
+from tformer.models import CheckpointError, TransformerModel, build_model
 from tformer.training.checkpoint import (
     begin_checkpoint,
     checkpoint_dir,
@@ -64,6 +63,7 @@ from tformer.training.distributed import (
 )
 from tformer.training.evaluate import evaluate_translation, forward_logits, perplexity
 from tformer.training.init_from import load_init_from, vocab_of
+from tformer.training.lora_run import load_weights, with_lora
 from tformer.training.losses import label_smoothed_cross_entropy
 from tformer.training.optim import adamw_cosine, paper_adam
 from tformer.training.progress import Progress
@@ -101,7 +101,8 @@ class Trainer:
         if self.dist.is_main:
             self._write_recipe()
         torch.manual_seed(train_config.seed)
-        self.model = (pretrained.model if pretrained else build_model(self.model_config)).to(self.device)
+        model = (pretrained.model if pretrained else build_model(self.model_config)).to(self.device)
+        self.model = with_lora(model, train_config, self.dist.enabled)  # a lora: section trains adapters only
         self.module = parallelize(self.model, self.dist, train_config)  # what forward runs on (DDP wraps)
         self._consolidated_model: nn.Module | None = None  # rank 0's unsharded copy, for evaluation and export
         self.optimizer, self.scheduler = self._optimizer()
@@ -126,7 +127,7 @@ class Trainer:
         return adamw_cosine(self.model, c.lr, c.warmup, c.max_steps, weight_decay=c.weight_decay, fused=fused)
 
     def _write_recipe(self) -> None:
-        recipe = {"model": self.model_config.to_dict(), "train": self.config.to_dict()}
+        recipe = self.config.recipe(self.model_config)
         (self.run_dir / "train.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
 
     def _resume(self) -> None:
@@ -142,8 +143,8 @@ class Trainer:
                 f"{latest} was written by an older tformer without a sharded/ state; resume it in one process "
                 f"(its next checkpoint then resumes on any number of ranks)"
             )
-        else:  # written before checkpoints had a sharded/ directory
-            load_model(self.model, str(latest / WEIGHTS_FILE), device=str(self.device))
+        else:  # a LoRA run's adapters, or written before checkpoints had a sharded/ directory
+            load_weights(self.model, latest, str(self.device))
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.cursor = state["step"], Cursor.from_dict(state["cursor"])
@@ -305,6 +306,8 @@ class Trainer:
             "best_bleu": self.best_bleu,
             "elapsed": self.elapsed,
         }
+        if self.config.lora is not None:  # one process, no sharded/: the adapters' optimizer state goes in here
+            state["optimizer"] = self.optimizer.state_dict()
         if self.saved_step == self.step:
             if self.dist.is_main:
                 rewrite_trainer_state(checkpoint_dir(self.run_dir, self.step), state)
@@ -312,7 +315,8 @@ class Trainer:
         weights = self._consolidated()
         tmp = begin_checkpoint(self.run_dir, self.step) if self.dist.is_main else pending_dir(self.run_dir, self.step)
         self.dist.barrier()
-        save_sharded(tmp / SHARDED_DIR, self.module, self.optimizer)
+        if self.config.lora is None:
+            save_sharded(tmp / SHARDED_DIR, self.module, self.optimizer)
         self.dist.barrier()  # every rank's shards are on disk before the directory gets its real name
         if self.dist.is_main:
             write_checkpoint_files(tmp, weights, self.data.tokenizer, state)
