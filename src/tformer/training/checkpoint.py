@@ -3,7 +3,7 @@
 A run directory looks like::
 
     runs/en-de/
-      train.yaml                     the recipe as run (model + train sections)
+      train.yaml                     the recipe as run (model + train sections, and lora for a LoRA run)
       metrics.jsonl                  one JSON object per log / eval event
       curves.png                     loss, learning rate and dev BLEU (or perplexity)
       best.json                      {"step", "bleu", "dev_sentences"}: the checkpoint `tformer translate` uses
