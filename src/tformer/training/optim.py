@@ -41,9 +41,15 @@ def _decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def paper_adam(model: nn.Module, d_model: int, warmup: int = 4000, scale: float = 1.0, fused: bool = True) -> tuple:
-    """Adam(beta1=0.9, beta2=0.98, eps=1e-9) with the inverse-square-root warmup schedule."""
+    """Adam(beta1=0.9, beta2=0.98, eps=1e-9) with the inverse-square-root warmup schedule, over the parameters
+    that train (all of them, or only LoRA's adapters)."""
     optimizer = torch.optim.Adam(
-        model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9, fused=fused, foreach=False if not fused else None
+        [p for p in model.parameters() if p.requires_grad],
+        lr=1.0,
+        betas=(0.9, 0.98),
+        eps=1e-9,
+        fused=fused,
+        foreach=False if not fused else None,
     )
     scheduler = LambdaLR(optimizer, lambda step: noam_lr(step + 1, d_model, warmup, scale))
     return optimizer, scheduler
