@@ -53,15 +53,9 @@ from conftest import smollm2_path  # noqa: E402
 
 from tformer.data.corpora import bible_text  # noqa: E402
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
+from tformer.inference.bench import copy_bandwidth  # noqa: E402
 from tformer.inference.quantize import QUANT_MODES, WEIGHT_DTYPES, model_bytes, set_precision  # noqa: E402
 from tformer.interop.loading import load_pretrained  # noqa: E402
-
-
-def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second moved by a large tensor copy (read + write), the practical memory bandwidth."""
-    src = torch.ones(megabytes * 2**20 // 4)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), repeats)
 
 
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
@@ -239,7 +233,7 @@ def batch1(engines: dict[str, Engine], hf, prompt: list[int], args, threads: int
     bench = Batch1(engines, hf, prompt, args.new_tokens)
     steps = {name: (lambda n=name: bench.tformer(n)) for name in engines} | {"hf": bench.hf_generate}
     alternating_timing(steps, rounds=args.rounds, warmup=1)
-    bandwidth, reading = copy_bandwidth(), read_bandwidth()
+    bandwidth, reading = copy_bandwidth(512), read_bandwidth()
     hf_ttft, hf_rate = bench.summary("hf")
     print(
         f"\n1. batch-1 greedy, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, {threads} threads, "

@@ -26,7 +26,7 @@ in one process (order reversed every other run), after one warm-up run each; med
 time to first token (TTFT) and decode tokens/s after the first token, counted from the tokens actually produced.
 
 The bandwidth share is weight bytes read per decode token x decode tokens/s / measured large-copy bandwidth
-(`copy_bandwidth` of engine_vs_hf.py, which counts the bytes read and the bytes written). A pure read of a
+(`tformer.inference.bench.copy_bandwidth`, which counts the bytes read and the bytes written). A pure read of a
 large tensor (`read_bandwidth`, torch.sum) is printed beside it: no decoder that streams its weights can
 read faster, so its share of the copy bandwidth caps the BW share column. Bytes read per token: llama.cpp,
 every tensor as stored in the file (the Q8_0 embedding is read whole, as the output head); tformer, every
@@ -62,10 +62,11 @@ from common import (  # noqa: E402
     uptime,
 )
 from conftest import smollm2_path  # noqa: E402
-from engine_vs_hf import chat_ids, copy_bandwidth, read_bandwidth  # noqa: E402
+from engine_vs_hf import chat_ids, read_bandwidth  # noqa: E402
 from test_interop_gguf import john_1, perplexity  # noqa: E402
 
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
+from tformer.inference.bench import copy_bandwidth, weight_bytes_per_token  # noqa: E402
 from tformer.inference.quantize import model_bytes, set_precision  # noqa: E402
 from tformer.interop.loading import load_pretrained  # noqa: E402
 
@@ -99,18 +100,6 @@ def gguf_weight_formats(path: Path) -> str:
         by_type[tensor.tensor_type.name] = by_type.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
     total = sum(by_type.values())
     return ", ".join(f"{name} {size / total:.0%}" for name, size in sorted(by_type.items(), key=lambda kv: -kv[1]))
-
-
-def bytes_read_per_token(model: torch.nn.Module) -> int:
-    """Weight bytes one decode step reads: every parameter and buffer (tied tensors once), less the embedding
-    tables that are only looked up (one row per token); a table tied to the output head is read whole."""
-    linear_weights = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    lookup_only = [
-        m.weight
-        for m in model.modules()
-        if isinstance(m, torch.nn.Embedding) and m.weight.data_ptr() not in linear_weights
-    ]
-    return model_bytes(model) - sum(w.numel() * w.element_size() for w in lookup_only)
 
 
 def describe_weights(name: str, path: Path) -> str:
@@ -274,9 +263,9 @@ def main() -> None:
     bench = Batch1(engines, llama, prompt, args.tokens)
     steps = {name: (lambda n=name: bench.tformer(n)) for name in engines} | {LLAMACPP: bench.llamacpp}
     timings = alternating_timing(steps, rounds=args.runs, warmup=1)
-    bandwidth, reading = copy_bandwidth(), read_bandwidth()
+    bandwidth, reading = copy_bandwidth(512), read_bandwidth()
 
-    weight_bytes = {name: bytes_read_per_token(m) for name, m in models.items()}
+    weight_bytes = {name: weight_bytes_per_token(m) for name, m in models.items()}
     weight_bytes[LLAMACPP] = gguf_weight_bytes(path)
     resident = {name: model_bytes(m) for name, m in models.items()} | {LLAMACPP: weight_bytes[LLAMACPP]}
     formats = {name: describe_weights(name, path) for name in bench.results}
