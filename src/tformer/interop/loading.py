@@ -9,7 +9,7 @@ import torch
 
 from tformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from tformer.data.tokenizer import Tokenizer
-from tformer.interop.gguf import GGUF_MAGIC, from_gguf, open_gguf
+from tformer.interop.gguf import from_gguf, is_gguf, open_gguf
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.interop.hf import from_hf
 from tformer.models import CONFIG_FILE, CheckpointError, TransformerModel, load
@@ -28,9 +28,8 @@ def load_pretrained(
     """
     path = Path(path)
     if path.is_file():
-        with open(path, "rb") as handle:
-            if handle.read(4) != GGUF_MAGIC:
-                raise CheckpointError(f"{path} is not a GGUF file; pass a .gguf file or a model directory")
+        if not is_gguf(path):
+            raise CheckpointError(f"{path} is not a GGUF file; pass a .gguf file or a model directory")
         reader = open_gguf(path)
         return from_gguf(path, reader, dtype=dtype), tokenizer_from_gguf(path, reader)
     if not path.is_dir():

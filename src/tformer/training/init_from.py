@@ -16,7 +16,7 @@ from typing import Any
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import Tokenizer, Vocab
-from tformer.interop.gguf import GGUF_MAGIC, config_from_gguf, open_gguf
+from tformer.interop.gguf import config_from_gguf, is_gguf, open_gguf
 from tformer.interop.hf import config_from_hf, family_of, read_hf_config
 from tformer.interop.loading import HF_CONFIG_FILE, load_pretrained
 from tformer.models import CONFIG_FILE, CheckpointError, TransformerModel, assign_weights, build_model
@@ -42,9 +42,8 @@ def weights_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of the weights at `path`, read from their config or metadata alone (no tensors)."""
     path = Path(path)
     if path.is_file():
-        with open(path, "rb") as handle:
-            if handle.read(4) != GGUF_MAGIC:
-                raise ConfigError(f"train.init_from: {path} is not a GGUF file; pass a .gguf file or a model directory")
+        if not is_gguf(path):
+            raise ConfigError(f"train.init_from: {path} is not a GGUF file; pass a .gguf file or a model directory")
         return config_from_gguf(open_gguf(path), path)
     if (path / CONFIG_FILE).is_file():
         return ModelConfig.from_file(path / CONFIG_FILE)
