@@ -150,3 +150,20 @@ def tiny(tiny_dir, one_thread) -> Iterator[LiveServer]:
     server = LiveServer(*load_pretrained(tiny_dir))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny-llama checkpoint with a BPE trained on helpers.LINES, as `model.save` writes it: the weights the
+    fine-tuning and LoRA tests start from."""
+    from helpers import LINES
+
+    from tformer.data import Tokenizer
+
+    directory = tmp_path_factory.mktemp("pretrained")
+    tokenizer = Tokenizer.train(LINES, 300)
+    config = ModelConfig.from_preset("tiny-llama", vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_id)
+    torch.manual_seed(0)
+    build_model(config).save(directory)
+    tokenizer.save(directory)
+    return directory

@@ -4,16 +4,20 @@ the Hugging Face reference models in hf_cases.py and the serving helpers in serv
 - The engine, speculation and quantization tests: the uncached greedy decoder, the bf16 rounding margin, prompts of
   mixed lengths, the decoder variants the engine must serve, and the chi-square statistic.
 - The training tests: a tiny recipe on a synthetic corpus, the trainer built from it or run as `tformer train`.
-- The GGUF tests: llama.cpp's permutation of q and k rows.
+- The fine-tuning and LoRA tests: the pretrained model's text, a recipe from it, a run interrupted and resumed.
+- The GGUF tests: llama.cpp's permutation of q and k rows, and a transformers LLaMA's tensors and metadata as GGUF.
+- The figure tests: a drawn PNG.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -129,6 +133,75 @@ def steps(run_dir: Path) -> list[int]:
     return [int(p.name.removeprefix("step-")) for p in list_checkpoints(run_dir)]
 
 
+# ---- fine-tuning: a tiny pretrained model's text, recipe, and an interrupted run ------------------------------
+
+LINES = [
+    "In the beginning God created the heavens and the earth.",
+    "The earth was formless and empty, and darkness was on the surface of the deep.",
+    "God said, let there be light, and there was light.",
+    "God saw the light, and saw that it was good.",
+    "God called the light day, and the darkness he called night.",
+    "There was evening and there was morning, the first day.",
+] * 4
+
+
+def write_finetune_recipe(directory: Path, init_from: Path, model: dict | None = None, **train: object) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    corpus = directory / "corpus.txt"
+    corpus.write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    train = {
+        "init_from": str(init_from),
+        "corpus": str(corpus),
+        "objective": "clm",
+        "max_len": 32,
+        "max_tokens": 256,
+        "max_steps": 10,
+        "save_every": 5,
+        "eval_every": 10_000,
+        "log_every": 1,
+        "optimizer": "adamw-cosine",
+        "lr": 3e-3,
+        "warmup": 2,
+        "label_smoothing": 0.0,
+        "out_dir": str(directory / "run"),
+        **train,
+    }
+    path = directory / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"model": model, "train": train} if model else {"train": train}))
+    return path
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [record["loss"] for record in map(json.loads, lines) if "loss" in record]
+
+
+def interrupt_and_resume(recipe: Path, tmp_path: Path) -> tuple[Trainer, Trainer]:
+    """Runs `recipe` uninterrupted, and again killed right after its first checkpoint (at step 5) and resumed:
+    the two trainers, for a test to compare what they wrote."""
+    whole = trainer(recipe, f"train.out_dir={tmp_path / 'whole'}")
+    whole.fit()
+    stopped = trainer(recipe, f"train.out_dir={tmp_path / 'stopped'}")
+    save = stopped._save
+
+    def save_then_die() -> None:  # as if killed right after the first checkpoint
+        save()
+        raise KeyboardInterrupt
+
+    stopped._save = save_then_die
+    try:
+        stopped.fit()
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the run was not interrupted")
+    assert steps(stopped.run_dir) == [5]
+    resumed = trainer(recipe, f"train.out_dir={tmp_path / 'stopped'}")
+    assert resumed.step == 5
+    resumed.fit()
+    return whole, resumed
+
+
 # ---- GGUF -----------------------------------------------------------------------------------------------------------
 
 
@@ -139,3 +212,67 @@ def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(weight.shape)
     )
+
+
+LAYER_NAMES = {  # transformers LlamaForCausalLM -> GGUF, per layer
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_tensors(model: Any) -> dict[str, np.ndarray]:
+    """The model's weights under GGUF names, q and k permuted as llama.cpp's converter writes them."""
+    cfg, state = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
+    tensors = {
+        "token_embd.weight": state["model.embed_tokens.weight"],
+        "output_norm.weight": state["model.norm.weight"],
+    }
+    if not cfg.tie_word_embeddings:
+        tensors["output.weight"] = state["lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        for hf_name, name in LAYER_NAMES.items():
+            value = state[f"model.layers.{i}.{hf_name}.weight"]
+            if name in ("attn_q", "attn_k"):
+                heads = cfg.num_attention_heads if name == "attn_q" else cfg.num_key_value_heads
+                value = llama_cpp_permute(value, heads)
+            tensors[f"blk.{i}.{name}.weight"] = value
+    return tensors
+
+
+def llama_metadata(model: Any) -> dict[str, Any]:
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return {
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "block_count": cfg.num_hidden_layers,
+        "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads,
+        "attention.head_count_kv": cfg.num_key_value_heads,
+        "rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+        "rope.dimension_count": head_dim,
+        "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        "vocab_size": cfg.vocab_size,
+    }
+
+
+# ---- figures -----------------------------------------------------------------------------------------------------
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path: Path) -> None:
+    """A PNG file of a drawn figure: an empty canvas has one colour, text and a plot have many."""
+    from PIL import Image
+
+    assert path.read_bytes()[:8] == PNG_MAGIC, path
+    with Image.open(path) as image:
+        colours = image.convert("RGB").getcolors(maxcolors=256)  # None: more than 256
+    assert colours is None or len(colours) > 20, f"{path}: only {len(colours)} colours"

@@ -18,12 +18,11 @@ import gguf
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
-from helpers import ENV, steps, trainer
+from helpers import ENV, LINES, gguf_tensors, interrupt_and_resume, llama_metadata, losses, trainer
+from helpers import write_finetune_recipe as write_recipe
 from safetensors.torch import load_file
 
 import tformer
-from tformer import ModelConfig, build_model
 from tformer.config import ConfigError
 from tformer.data import Cursor, Tokenizer, Vocab, causal_lm
 from tformer.interop.loading import load_pretrained
@@ -32,27 +31,6 @@ from tformer.training import load_recipe
 from tformer.training.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-LINES = [
-    "In the beginning God created the heavens and the earth.",
-    "The earth was formless and empty, and darkness was on the surface of the deep.",
-    "God said, let there be light, and there was light.",
-    "God saw the light, and saw that it was good.",
-    "God called the light day, and the darkness he called night.",
-    "There was evening and there was morning, the first day.",
-] * 4
-
-
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny-llama checkpoint with a BPE trained on LINES, saved as by `model.save`."""
-    directory = tmp_path_factory.mktemp("pretrained")
-    tokenizer = Tokenizer.train(LINES, 300)
-    config = ModelConfig.from_preset("tiny-llama", vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_id)
-    torch.manual_seed(0)
-    build_model(config).save(directory)
-    tokenizer.save(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +44,6 @@ def sources(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 def write_gguf(hf_dir: Path, tokenizer: Tokenizer) -> Path:
     """The HF model as a GGUF file (tests/test_interop_gguf_tiny.py's writer) with a gpt2 tokenizer's metadata."""
     transformers = pytest.importorskip("transformers")
-    from test_interop_gguf_tiny import gguf_tensors, llama_metadata
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     path = hf_dir / "tiny.gguf"
@@ -96,42 +73,11 @@ def write_gguf(hf_dir: Path, tokenizer: Tokenizer) -> Path:
     return path
 
 
-def write_recipe(directory: Path, init_from: Path, model: dict | None = None, **train: object) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    corpus = directory / "corpus.txt"
-    corpus.write_text("\n".join(LINES) + "\n", encoding="utf-8")
-    train = {
-        "init_from": str(init_from),
-        "corpus": str(corpus),
-        "objective": "clm",
-        "max_len": 32,
-        "max_tokens": 256,
-        "max_steps": 10,
-        "save_every": 5,
-        "eval_every": 10_000,
-        "log_every": 1,
-        "optimizer": "adamw-cosine",
-        "lr": 3e-3,
-        "warmup": 2,
-        "label_smoothing": 0.0,
-        "out_dir": str(directory / "run"),
-        **train,
-    }
-    path = directory / "recipe.yaml"
-    path.write_text(yaml.safe_dump({"model": model, "train": train} if model else {"train": train}))
-    return path
-
-
 def reference_loss(model: torch.nn.Module, batch) -> float:  # noqa: ANN001 -- an LMBatch
     """Mean next-token cross-entropy of `model` on `batch`, computed without the trainer."""
     with torch.no_grad():
         logits = model.eval()(batch.input_ids, batch.attention_mask)
     return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=-100).item()
-
-
-def losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [record["loss"] for record in map(json.loads, lines) if "loss" in record]
 
 
 @pytest.mark.parametrize("kind", ["tformer", "hf", "gguf"])
@@ -194,23 +140,7 @@ def test_model_keys_that_contradict_the_weights_are_named(pretrained: Path, tmp_
 
 def test_interrupted_run_resumes_bit_exactly_from_its_own_checkpoint(pretrained: Path, tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path, pretrained, model={"dropout": 0.1}, grad_accum=2, bf16=True)
-    whole = trainer(recipe, f"train.out_dir={tmp_path / 'whole'}")
-    whole.fit()
-
-    stopped = trainer(recipe, f"train.out_dir={tmp_path / 'stopped'}")
-    save = stopped._save
-
-    def save_then_die() -> None:  # as if killed right after the first checkpoint
-        save()
-        raise KeyboardInterrupt
-
-    stopped._save = save_then_die
-    with pytest.raises(KeyboardInterrupt):
-        stopped.fit()
-    assert steps(stopped.run_dir) == [5]
-    resumed = trainer(recipe, f"train.out_dir={tmp_path / 'stopped'}")
-    assert resumed.step == 5
-    resumed.fit()
+    whole, resumed = interrupt_and_resume(recipe, tmp_path)
     a = load_file(list_checkpoints(whole.run_dir)[-1] / WEIGHTS_FILE)
     b = load_file(list_checkpoints(resumed.run_dir)[-1] / WEIGHTS_FILE)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from helpers import llama_cpp_permute
+from helpers import gguf_tensors, llama_cpp_permute, llama_metadata
 
 import tformer.models.init
 from tformer.interop.gguf import GGUFError, dequantize_tensor, from_gguf, open_gguf, unpermute_rope_rows
@@ -34,17 +34,6 @@ TINY = dict(
     max_position_embeddings=128,
     rms_norm_eps=1e-5,
 )
-LAYER_NAMES = {  # transformers LlamaForCausalLM -> GGUF, per layer
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 
 
 def tiny_hf_model(tie: bool = False, seed: int = 0) -> Any:
@@ -62,42 +51,6 @@ def tiny_hf_model(tie: bool = False, seed: int = 0) -> Any:
             if "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
     return model
-
-
-def gguf_tensors(model: Any) -> dict[str, np.ndarray]:
-    """The model's weights under GGUF names, q and k permuted as llama.cpp's converter writes them."""
-    cfg, state = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
-    tensors = {
-        "token_embd.weight": state["model.embed_tokens.weight"],
-        "output_norm.weight": state["model.norm.weight"],
-    }
-    if not cfg.tie_word_embeddings:
-        tensors["output.weight"] = state["lm_head.weight"]
-    for i in range(cfg.num_hidden_layers):
-        for hf_name, name in LAYER_NAMES.items():
-            value = state[f"model.layers.{i}.{hf_name}.weight"]
-            if name in ("attn_q", "attn_k"):
-                heads = cfg.num_attention_heads if name == "attn_q" else cfg.num_key_value_heads
-                value = llama_cpp_permute(value, heads)
-            tensors[f"blk.{i}.{name}.weight"] = value
-    return tensors
-
-
-def llama_metadata(model: Any) -> dict[str, Any]:
-    cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    return {
-        "context_length": cfg.max_position_embeddings,
-        "embedding_length": cfg.hidden_size,
-        "block_count": cfg.num_hidden_layers,
-        "feed_forward_length": cfg.intermediate_size,
-        "attention.head_count": cfg.num_attention_heads,
-        "attention.head_count_kv": cfg.num_key_value_heads,
-        "rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
-        "rope.dimension_count": head_dim,
-        "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-        "vocab_size": cfg.vocab_size,
-    }
 
 
 def encode(value: np.ndarray, qtype: Q) -> np.ndarray:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import steps, trainer
+from helpers import interrupt_and_resume, losses, trainer
+from helpers import write_finetune_recipe as write_recipe
 from safetensors.torch import load_file
-from test_finetune import LINES, losses, pretrained, write_recipe  # noqa: F401 -- `pretrained` is a fixture
 
 import tformer
 from tformer.cli import main
@@ -36,7 +36,7 @@ LORA = {
 
 
 def lora_recipe(directory: Path, init_from: Path, lora: dict | None = LORA, **train: object) -> Path:
-    """test_finetune's recipe with a `lora:` section."""
+    """The fine-tuning recipe (helpers.write_finetune_recipe) with a `lora:` section."""
     path = write_recipe(directory, init_from, model={"dropout": 0.1}, **{"lr": 1e-1, "max_steps": 20, **train})
     recipe = yaml.safe_load(path.read_text())
     path.write_text(yaml.safe_dump({**recipe, "lora": lora}))
@@ -44,13 +44,13 @@ def lora_recipe(directory: Path, init_from: Path, lora: dict | None = LORA, **tr
 
 
 @pytest.fixture(scope="module")
-def trained(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> Trainer:  # noqa: F811
+def trained(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> Trainer:
     run = trainer(lora_recipe(tmp_path_factory.mktemp("lora"), pretrained))
     run.fit()
     return run
 
 
-def test_only_the_adapters_train_and_only_they_are_saved(trained: Trainer, pretrained: Path) -> None:  # noqa: F811
+def test_only_the_adapters_train_and_only_they_are_saved(trained: Trainer, pretrained: Path) -> None:
     logged = losses(trained.run_dir)
     assert logged[-1] < logged[0] - 0.3, f"training did not lower the loss: {logged}"
     base = load_file(pretrained / WEIGHTS_FILE)
@@ -79,25 +79,8 @@ def test_only_the_adapters_train_and_only_they_are_saved(trained: Trainer, pretr
     assert load_recipe(trained.run_dir / "train.yaml")[1] == trained.config
 
 
-def test_interrupted_lora_run_resumes_bit_exactly(pretrained: Path, tmp_path: Path) -> None:  # noqa: F811
-    recipe = lora_recipe(tmp_path, pretrained, grad_accum=2)
-    whole = trainer(recipe, f"train.out_dir={tmp_path / 'whole'}")
-    whole.fit()
-
-    stopped = trainer(recipe, f"train.out_dir={tmp_path / 'stopped'}")
-    save = stopped._save
-
-    def save_then_die() -> None:  # as if killed right after the first checkpoint
-        save()
-        raise KeyboardInterrupt
-
-    stopped._save = save_then_die
-    with pytest.raises(KeyboardInterrupt):
-        stopped.fit()
-    assert steps(stopped.run_dir) == [5]
-    resumed = trainer(recipe, f"train.out_dir={tmp_path / 'stopped'}")
-    assert resumed.step == 5
-    resumed.fit()
+def test_interrupted_lora_run_resumes_bit_exactly(pretrained: Path, tmp_path: Path) -> None:
+    whole, resumed = interrupt_and_resume(lora_recipe(tmp_path, pretrained, grad_accum=2), tmp_path)
     a = load_file(list_checkpoints(whole.run_dir)[-1] / ADAPTERS_FILE)
     b = load_file(list_checkpoints(resumed.run_dir)[-1] / ADAPTERS_FILE)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -108,7 +91,7 @@ def test_interrupted_lora_run_resumes_bit_exactly(pretrained: Path, tmp_path: Pa
 
 def test_convert_merge_lora_serves_the_trained_adapted_model(
     trained: Trainer,
-    pretrained: Path,  # noqa: F811
+    pretrained: Path,
     tmp_path: Path,
 ) -> None:
     checkpoint = list_checkpoints(trained.run_dir)[-1]
@@ -139,20 +122,20 @@ def test_bad_lora_sections_are_config_errors(
     overrides: list[str],
     train: dict,
     match: str,
-    pretrained: Path,  # noqa: F811
+    pretrained: Path,
     tmp_path: Path,
 ) -> None:
     with pytest.raises(ConfigError, match=match):
         load_recipe(lora_recipe(tmp_path, pretrained, lora, **train), overrides)
 
 
-def test_lora_under_torchrun_is_refused(pretrained: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_lora_under_torchrun_is_refused(pretrained: Path, tmp_path: Path) -> None:
     _, train = load_recipe(lora_recipe(tmp_path, pretrained))
     with pytest.raises(ConfigError, match="one process only.*without torchrun"):
         with_lora(tformer.load(pretrained), train, distributed=True)
 
 
-def test_an_empty_lora_section_means_the_defaults(pretrained: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_an_empty_lora_section_means_the_defaults(pretrained: Path, tmp_path: Path) -> None:
     _, train = load_recipe(lora_recipe(tmp_path, pretrained, None))
     assert train.lora_config == tformer.training.lora.LoRAConfig()
     _, full = load_recipe(write_recipe(tmp_path, pretrained))

@@ -8,11 +8,9 @@ import sys
 from pathlib import Path
 
 import torch
-from PIL import Image
+from helpers import assert_png
 
 from tformer.viz import plot_attention, plot_positional_encoding, plot_training_curves, read_metrics
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def loss(step: int, value: float) -> dict:
@@ -30,14 +28,6 @@ def ppl(step: int, value: float) -> dict:
 def write_metrics(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
-
-
-def assert_png(path: Path) -> None:
-    """A PNG file of a drawn figure: an empty canvas has one colour, text and a plot have many."""
-    assert path.read_bytes()[:8] == PNG_MAGIC, path
-    with Image.open(path) as image:
-        colours = image.convert("RGB").getcolors(maxcolors=256)  # None: more than 256
-    assert colours is None or len(colours) > 20, f"{path}: only {len(colours)} colours"
 
 
 def test_metrics_keep_loss_bleu_and_perplexity_of_one_step_and_the_last_of_a_resumed_step(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_model, tiny_config, with_config
-from test_viz import assert_png
+from helpers import assert_png
 
 from tformer.data import Tokenizer
 from tformer.errors import ConfigError

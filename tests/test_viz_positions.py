@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import make_model, tiny_config
+from helpers import assert_png
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from safetensors.torch import load_file
-from test_viz import assert_png
 
 from tformer import ModelConfig, load
 from tformer.errors import ConfigError
