@@ -11,7 +11,7 @@ import pytest
 
 from tformer import config
 from tformer.layers.attention import ATTENTION_BACKENDS
-from tformer.layers.block import RESIDUALS
+from tformer.layers.block import RESIDUALS, SELF_ATTENTIONS
 from tformer.layers.ffn import ACTIVATIONS, FFNS
 from tformer.layers.norms import NORMS
 from tformer.layers.positions import POSITIONS, SINUSOIDAL_LAYOUTS
@@ -26,6 +26,7 @@ PAIRS = {
     "NORM_NAMES": NORMS,
     "NORM_PLACEMENTS": RESIDUALS,
     "ATTENTION_BACKEND_NAMES": ATTENTION_BACKENDS,
+    "ATTENTION_NAMES": SELF_ATTENTIONS,
     "INIT_NAMES": INITS,
     "ENCODER_HEAD_NAMES": ENCODER_HEADS,
 }

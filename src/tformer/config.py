@@ -24,6 +24,7 @@ FFN_NAMES = ("relu", "gelu", "gelu-tanh", "silu", "swiglu", "geglu")
 NORM_NAMES = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 ATTENTION_BACKEND_NAMES = ("sdpa", "math")
+ATTENTION_NAMES = ("softmax",)
 INIT_NAMES = ("xavier", "gpt2", "normal")
 ENCODER_HEAD_NAMES = ("mlm", "none")
 
@@ -152,6 +153,9 @@ class ModelConfig(ConfigBase):
     # attention
     sliding_window: int | None = None
     attention_backend: str = "sdpa"
+    attention: str = "softmax"  # self-attention: "softmax", "longformer" (local window + global tokens), "performer"
+    attention_window: int = 512  # longformer: each token sees attention_window // 2 neighbours on each side
+    performer_features: int = 256  # performer: random features approximating the softmax kernel (FAVOR+)
     activation_checkpointing: bool = False
 
     # initialization
@@ -206,6 +210,7 @@ class ModelConfig(ConfigBase):
         _check_choice("norm", self.norm, NORM_NAMES)
         _check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKEND_NAMES)
+        _check_choice("attention", self.attention, ATTENTION_NAMES)
         _check_choice("init", self.init, INIT_NAMES)
         _check_choice("encoder_head", self.encoder_head, ENCODER_HEAD_NAMES)
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_seq_len"):
@@ -237,10 +242,29 @@ class ModelConfig(ConfigBase):
                 "sliding_window applies to causal self-attention, but family 'encoder' is bidirectional; "
                 "remove sliding_window or use family 'decoder'"
             )
+        self._check_attention()
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
         if self.sinusoidal_base <= 1 or self.rope_theta <= 1:
             raise ConfigError("sinusoidal_base and rope_theta must be greater than 1 (the paper uses 10000)")
+
+    def _check_attention(self) -> None:
+        if self.attention == "longformer":
+            if self.family != "encoder":
+                raise ConfigError(
+                    f"attention 'longformer' gives global tokens two-way attention, which a causal stack cannot have; "
+                    f"it applies to family 'encoder', got '{self.family}' (use sliding_window for a causal local window)"
+                )
+            if self.attention_window < 2 or self.attention_window % 2:
+                raise ConfigError(f"attention_window must be a positive even number, got {self.attention_window}")
+        if self.attention == "performer":
+            if self.position == "alibi" or self.sliding_window is not None:
+                raise ConfigError(
+                    "attention 'performer' approximates softmax attention without a score matrix, so it cannot add "
+                    "ALiBi's bias or a sliding window; use position 'rope' or 'sinusoidal' and no sliding_window"
+                )
+            if self.performer_features < 1:
+                raise ConfigError(f"performer_features must be at least 1, got {self.performer_features}")
 
     def _check_derived(self) -> None:
         if self.position == "rope" and self.head_dim % 2:

@@ -6,6 +6,7 @@ Backends live in ATTENTION_BACKENDS: "sdpa" calls torch's fused scaled_dot_produ
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ class AttentionMask:
 
     bias: torch.Tensor | None = None
     is_causal: bool = False
+    key_padding: torch.Tensor | None = None  # (B, Tk) bool, True for real keys
+    global_tokens: torch.Tensor | None = None  # (B, Tk) bool, Longformer's tokens that attend and are attended everywhere
 
 
 def build_mask(
@@ -207,12 +210,21 @@ class Attention(nn.Module):
                 cache.k, cache.v = k, v
         dropout_p = self.attn_dropout if self.training else 0.0
         if mask.bias is not None and mask.bias.shape[1] > 1 and self.heads != slice(None):
-            mask = AttentionMask(mask.bias[:, self.heads], mask.is_causal)
-        out, weights = self.backend(q, k, v, mask, dropout_p)  # (B, H, T, D)
+            mask = dataclasses.replace(mask, bias=mask.bias[:, self.heads])
+        out, weights = self.attend(q, k, v, mask, dropout_p)  # (B, H, T, D)
         if self.keep_weights:
             self.last_weights = None if weights is None else weights.detach()
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
         return self.out_proj(out)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention kernel: (B, H, Tq, D) queries over (B, Hkv, Tk, D) keys and values -> output, weights.
+
+        Subclasses (linear attention) and context parallelism (ring attention) replace this step only.
+        """
+        return self.backend(q, k, v, mask, dropout_p)
 
     def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of `source` (B, S, d): (B, Hkv, S, D) each, before any rotary embedding."""

@@ -63,6 +63,9 @@ class SandwichNorm(nn.Module):
         return x + self.dropout(self.norm_out(sublayer(self.norm_in(x))))
 
 
+# config.attention -> the self-attention module; each takes Attention's constructor and forward arguments
+SELF_ATTENTIONS: dict[str, type[nn.Module]] = {"softmax": Attention}
+
 RESIDUALS: dict[str, type[nn.Module]] = {
     "post": PostNorm,
     "pre": PreNorm,
@@ -81,7 +84,7 @@ class Block(nn.Module):
         super().__init__()
         alpha = config.deepnorm_coefficients(stack)[0] if config.norm_placement == "deepnorm" else 1.0
         residual = RESIDUALS[config.norm_placement]
-        self.self_attn = Attention(config)
+        self.self_attn = SELF_ATTENTIONS[config.attention](config)
         self.norm_attn = residual(config, alpha)
         self.cross_attn = Attention(config, cross=True) if cross_attention else None
         self.norm_cross = residual(config, alpha) if cross_attention else None

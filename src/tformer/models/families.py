@@ -133,18 +133,23 @@ class EncoderMLM(TransformerModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         token_types: torch.Tensor | None = None,
+        global_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Tokens (B, T) -> contextual hidden states (B, T, d), e.g. for sentence embeddings."""
-        return self.encoder(input_ids, attention_mask, token_types=token_types)
+        """Tokens (B, T) -> contextual hidden states (B, T, d), e.g. for sentence embeddings.
+
+        `global_tokens` (B, T), for attention 'longformer', marks the tokens with global attention.
+        """
+        return self.encoder(input_ids, attention_mask, token_types=token_types, global_tokens=global_tokens)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         token_types: torch.Tensor | None = None,
+        global_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Tokens (B, T) -> vocabulary logits (B, T, V) at every position; hidden states (B, T, d) without a head."""
-        return self.mlm_head(self.encode(input_ids, attention_mask, token_types))
+        return self.mlm_head(self.encode(input_ids, attention_mask, token_types, global_tokens))
 
 
 MODELS: dict[str, type[TransformerModel]] = {

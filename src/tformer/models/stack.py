@@ -86,8 +86,11 @@ class TransformerStack(nn.Module):
         cache: list[LayerCache] | None = None,
         start: int = 0,
         prefix_lengths: torch.Tensor | None = None,
+        global_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens (B, T) -> hidden states (B, T, d). Masks are 1 for real tokens.
+
+        `global_tokens` (B, T) marks the tokens a Longformer attention layer attends to (and from) everywhere.
 
         `prefix_lengths` (B,) turns a causal stack into a prefix LM: each row's first slots attend both ways.
 
@@ -126,6 +129,10 @@ class TransformerStack(nn.Module):
             query_slots,
             prefix_lengths,
         )
+        if attention_mask is not None:
+            mask.key_padding = attention_mask.bool()
+        if global_tokens is not None:
+            mask.global_tokens = global_tokens.bool()
         rotary = self.positions.rotary(positions)
         memory_mask = None
         if memory is not None or memory_padding is not None:
