@@ -73,6 +73,7 @@ class TrainConfig(ConfigBase):
     fsdp_reduce_dtype: str = "float32"  # FSDP mixed precision: dtype of the gradient reduce-scatter
     tp_size: int = 0  # ranks per tensor-parallel group under fsdp+tp (tp alone uses them all)
     dist_timeout: float = 600.0  # seconds a collective waits for the other ranks before failing
+    context_parallel: int = 1  # ranks each sequence is split over (ring attention; training/context_parallel.py)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -109,6 +110,11 @@ class TrainConfig(ConfigBase):
                 raise ConfigError(f"unknown {name} '{getattr(self, name)}'; choose one of: {', '.join(allowed)}")
         if self.tp_size < 0:
             raise ConfigError(f"tp_size must be 0 (all ranks) or a positive group size, got {self.tp_size}")
+        if self.context_parallel < 1 or (self.context_parallel > 1 and self.parallel not in ("auto", "ddp")):
+            raise ConfigError(
+                f"context_parallel must be 1 (off) or a number of ranks that replicate the model as DDP does "
+                f"(parallel auto or ddp); got {self.context_parallel} with parallel '{self.parallel}'"
+            )
         if not (math.isfinite(self.dist_timeout) and self.dist_timeout > 0):
             raise ConfigError(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         if not (math.isfinite(self.lr) and self.lr > 0):

@@ -13,7 +13,8 @@ backend is gloo on the CPU and NCCL on CUDA. The ranks form a 2-D mesh ("dp", "t
 - tp: Megatron-style tensor parallelism with DTensor over all ranks: column-parallel Q/K/V and FFN up/gate
   projections, row-parallel attention output and FFN down projections, so a block all-reduces twice in
   forward; embeddings, norms and the output head stay replicated;
-- fsdp+tp: TP inside groups of `tp_size` ranks, FSDP across the groups.
+- fsdp+tp: TP inside groups of `tp_size` ranks, FSDP across the groups;
+- cp (`train.context_parallel: N`): each sequence split over the N ranks, ring attention (context_parallel.py).
 
 Ranks of one tp group see the same batches; the dp groups split each step's batches between them.
 """
@@ -38,11 +39,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from tformer.config import ConfigError
+from tformer.data import LMBatch, Seq2SeqBatch
 from tformer.errors import DistributedFailure
 from tformer.layers.attention import Attention
 from tformer.layers.block import Block
 from tformer.layers.ffn import MLP, GatedMLP
 from tformer.training.config import TrainConfig
+from tformer.training.context_parallel import check_world_size, context_parallel, shard_lm_batch
 
 FSDP_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # None: FSDP keeps the parameters' own dtype
 
@@ -89,6 +92,14 @@ class DistContext:
         dist.all_reduce(tensor, group=self.mesh.get_group("dp"))
         return tensor.tolist()
 
+    def takes_batch(self, j: int) -> bool:
+        """Whether this rank trains on the step's j-th batch: dp ranks split them, cp ranks share every one."""
+        return self.strategy == "cp" or j % self.dp_size == self.dp_rank
+
+    def local_part(self, batch: LMBatch | Seq2SeqBatch) -> LMBatch | Seq2SeqBatch:
+        """This rank's part of a batch it takes: all of it, or under cp its zigzag shard of the sequence."""
+        return shard_lm_batch(batch, self.rank, self.world_size) if self.strategy == "cp" else batch
+
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when it is true on one (a Ctrl-C or an exhausted time budget stops all together)."""
         if not self.enabled:
@@ -131,18 +142,19 @@ def is_collective_failure(err: BaseException) -> bool:
 def init_distributed(config: TrainConfig, device: torch.device) -> DistContext:
     """Joins the process group torchrun set up (a no-op context when this process trains alone)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world_size(config.context_parallel, world_size)
     if world_size == 1:
         return DistContext(device=device, timeout=config.dist_timeout)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    strategy = "ddp" if config.parallel == "auto" else config.parallel
-    tp_size = {"ddp": 1, "fsdp": 1, "tp": world_size, "fsdp+tp": config.tp_size}[strategy]
+    strategy = "cp" if config.context_parallel > 1 else "ddp" if config.parallel == "auto" else config.parallel
+    tp_size = {"ddp": 1, "fsdp": 1, "cp": 1, "tp": world_size, "fsdp+tp": config.tp_size}[strategy]
     if strategy == "fsdp+tp" and not (1 < tp_size < world_size and world_size % tp_size == 0):
         raise ConfigError(
             f"parallel 'fsdp+tp' on {world_size} ranks needs tp_size dividing {world_size}, above 1 and below it "
             f"(got {config.tp_size}); e.g. train.tp_size=2 on 4 ranks, or use 'tp' or 'fsdp' alone"
         )
     dp_size = world_size // tp_size
-    if config.grad_accum % dp_size:
+    if config.grad_accum % dp_size and strategy != "cp":  # cp ranks split every batch, not the step's batches
         raise ConfigError(
             f"grad_accum ({config.grad_accum}) batches per step cannot be split evenly over {dp_size} data-parallel "
             f"ranks; the global batch is grad_accum x max_tokens tokens whatever the number of ranks, so set "
@@ -162,6 +174,8 @@ def parallelize(model: nn.Module, context: DistContext, config: TrainConfig) -> 
     """Shards `model` in place as the strategy says; returns the module to call forward on (DDP wraps it)."""
     if not context.enabled:
         return model
+    if context.strategy == "cp":  # dp over tokens: every rank has the model, gradients are all-reduced
+        return context_parallel(model, config.objective, context.device, context.local_rank)
     if context.strategy in ("tp", "fsdp+tp"):
         shard_tensor_parallel(model, context.mesh["tp"])
     if context.strategy in ("fsdp", "fsdp+tp"):

@@ -243,8 +243,8 @@ class Trainer:
                 batches = []
                 for j in range(c.grad_accum):  # the step's global batches; each dp rank trains on its share
                     indices, self.cursor = next(stream)
-                    if j % dist.dp_size == dist.dp_rank:
-                        batches.append(self._batch(indices, self.step * c.grad_accum + j))
+                    if dist.takes_batch(j):
+                        batches.append(dist.local_part(self._batch(indices, self.step * c.grad_accum + j)))
                 loss, n_tokens = self._step_or_explain(batches)
                 self.step += 1
                 if (average := self.spikes.check(loss)) is not None:
