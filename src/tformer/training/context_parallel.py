@@ -38,7 +38,7 @@ Grads = tuple[Tensor, Tensor, Tensor]  # dq, dk, dv
 
 
 # ---- the zigzag layout ------------------------------------------------------------------------------------------
-def zigzag_indices(seq_len: int, rank: int, world_size: int, device: torch.device | None = None) -> torch.Tensor:
+def zigzag_indices(seq_len: int, rank: int, world_size: int, device: torch.device | None = None) -> Tensor:
     """The global indices of rank `rank`'s tokens: chunks rank and 2N-1-rank of 2N equal chunks, in that order."""
     n_chunks = 2 * world_size
     if seq_len % n_chunks:
@@ -49,12 +49,12 @@ def zigzag_indices(seq_len: int, rank: int, world_size: int, device: torch.devic
     return torch.cat([first, last])
 
 
-def zigzag_shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
+def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int = 1) -> Tensor:
     """Rank `rank`'s share of `x` along `dim` (the sequence)."""
     return x.index_select(dim, zigzag_indices(x.shape[dim], rank, world_size, x.device))
 
 
-def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+def zigzag_unshard(shards: list[Tensor], dim: int = 1) -> Tensor:
     """The whole sequence back from every rank's shard (shards[r] from rank r): the inverse of zigzag_shard."""
     world_size = len(shards)
     seq_len = shards[0].shape[dim] * world_size
@@ -84,7 +84,7 @@ class MathBlock:
     """softmax(q k^T / sqrt(d)) v written out in fp32: the reference, and the kernel on devices other than the CPU."""
 
     @staticmethod
-    def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    def _scores(q: Tensor, k: Tensor, causal: bool) -> Tensor:
         scores = q.float() @ k.float().transpose(-2, -1) * q.shape[-1] ** -0.5  # (B, H, tq, tk)
         if causal:
             future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
@@ -92,7 +92,7 @@ class MathBlock:
         return scores
 
     @classmethod
-    def forward(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, ...]:
+    def forward(cls, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, ...]:
         scores = cls._scores(q, k, causal)
         lse = scores.logsumexp(-1)  # (B, H, tq)
         return torch.exp(scores - lse[..., None]) @ v.float(), lse
@@ -113,7 +113,7 @@ class FlashCpuBlock:
     """torch's CPU flash-attention kernel, which also returns the log-sum-exp: no (tq, tk) matrix is kept."""
 
     @staticmethod
-    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, ...]:
+    def forward(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, ...]:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
 
     @staticmethod
@@ -138,10 +138,10 @@ class Transfer:
     """A send to the next rank and a receive from the previous one, in flight."""
 
     requests: list
-    sent: torch.Tensor  # kept alive until the send completes
-    received: torch.Tensor
+    sent: Tensor  # kept alive until the send completes
+    received: Tensor
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> Tensor:
         for request in self.requests:
             request.wait()
         return self.received
@@ -160,7 +160,7 @@ class Ring:
         """Whose keys and values this rank holds at `step`."""
         return (self.rank - step) % self.size
 
-    def pass_on(self, tensor: torch.Tensor, tag: int) -> Transfer:
+    def pass_on(self, tensor: Tensor, tag: int) -> Transfer:
         """Sends `tensor` to the next rank and receives the previous rank's, without waiting."""
         if self.size == 1:
             return Transfer([], tensor, tensor)
@@ -171,7 +171,7 @@ class Ring:
         return Transfer([send, receive], tensor, received)
 
 
-def _sum_groups(grad: torch.Tensor, n_rep: int) -> torch.Tensor:
+def _sum_groups(grad: Tensor, n_rep: int) -> Tensor:
     """(B, Hkv * n_rep, T, D) -> (B, Hkv, T, D): a KV head's gradient sums over the query heads it served."""
     B, H, T, D = grad.shape
     return grad.float().view(B, H // n_rep, n_rep, T, D).sum(2)
@@ -209,17 +209,8 @@ def _ring_forward(
     return out, lse
 
 
-def _ring_backward(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    causal: bool,
-    ring: Ring,
-    kernel: BlockKernel,
-) -> Grads:
+def _ring_backward(grad_out: Tensor, saved: tuple[Tensor, ...], causal: bool, ring: Ring, kernel: BlockKernel) -> Grads:
+    q, k, v, out, lse = saved
     n_rep, kv = q.shape[1] // k.shape[1], torch.stack([k, v])
     grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     outgoing = None  # the gradient accumulator of the keys we hold, travelling with them
@@ -249,7 +240,8 @@ class RingAttention(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, group: dist.ProcessGroup | None, kernel_name: str
     ) -> Tensor:
         ring, kernel = Ring(group), BLOCK_KERNELS[kernel_name]
-        out, lse = _ring_forward(q, k, v, causal, ring, kernel)
+        with torch.autocast(q.device.type, enabled=False):  # the merge stays in fp32 whatever autocast says
+            out, lse = _ring_forward(q, k, v, causal, ring, kernel)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.ring, ctx.kernel = causal, ring, kernel
@@ -257,23 +249,27 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = _ring_backward(grad_out, q, k, v, out, lse, ctx.causal, ctx.ring, ctx.kernel)
+        with torch.autocast(grad_out.device.type, enabled=False):
+            grads = _ring_backward(grad_out, ctx.saved_tensors, ctx.causal, ctx.ring, ctx.kernel)
         return *grads, None, None, None
 
 
 def ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
     causal: bool,
     group: dist.ProcessGroup | None = None,
     kernel: str | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """softmax(Q K^T / sqrt(d)) V over a zigzag-sharded sequence: q (B, H, T/N, D), k and v (B, Hkv, T/N, D).
 
-    Every rank of `group` calls it with its own shard; the result is this rank's rows of full attention.
+    Every rank of `group` calls it with its own shard; the result is this rank's rows of full attention. Under
+    autocast q, k and v run in its dtype, as SDPA does; blocks merge in fp32 in any case.
     """
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     return RingAttention.apply(q, k, v, causal, group, kernel or default_kernel(q.device))
 
 
@@ -284,9 +280,7 @@ class RingAttend:
     def __init__(self, causal: bool, group: dist.ProcessGroup | None, kernel: str | None = None) -> None:
         self.causal, self.group, self.kernel = causal, group, kernel
 
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float
-    ) -> tuple[torch.Tensor, None]:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, dropout_p: float) -> tuple[Tensor, None]:
         if dropout_p:
             raise ConfigError("ring attention has no attention dropout; set model.attn_dropout=0")
         if mask.bias is not None or mask.key_padding is not None:
@@ -388,7 +382,7 @@ class ContextParallel(DistributedDataParallel):
         enable_ring_attention(model, ring_group)
         self.ring_rank, self.ring_size = dist.get_rank(ring_group), dist.get_world_size(ring_group)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         seq_len = input_ids.shape[1] * self.ring_size
         positions = zigzag_indices(seq_len, self.ring_rank, self.ring_size, input_ids.device)[None]  # (1, T/N)
         positions = positions.expand_as(input_ids) if attention_mask is None else positions * attention_mask
