@@ -24,7 +24,7 @@ FFN_NAMES = ("relu", "gelu", "gelu-tanh", "silu", "swiglu", "geglu")
 NORM_NAMES = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 ATTENTION_BACKEND_NAMES = ("sdpa", "math")
-ATTENTION_NAMES = ("softmax",)
+ATTENTION_NAMES = ("softmax", "performer")
 INIT_NAMES = ("xavier", "gpt2", "normal")
 ENCODER_HEAD_NAMES = ("mlm", "none")
 

@@ -19,6 +19,7 @@ from tformer.layers.attention import Attention, AttentionMask
 from tformer.layers.dropout import Dropout
 from tformer.layers.ffn import make_ffn
 from tformer.layers.kv_cache import LayerCache
+from tformer.layers.linear_attention import PerformerAttention
 from tformer.layers.norms import make_norm
 from tformer.layers.positions import Rotary
 
@@ -64,7 +65,7 @@ class SandwichNorm(nn.Module):
 
 
 # config.attention -> the self-attention module; each takes Attention's constructor and forward arguments
-SELF_ATTENTIONS: dict[str, type[nn.Module]] = {"softmax": Attention}
+SELF_ATTENTIONS: dict[str, type[nn.Module]] = {"softmax": Attention, "performer": PerformerAttention}
 
 RESIDUALS: dict[str, type[nn.Module]] = {
     "post": PostNorm,
