@@ -24,7 +24,7 @@ FFN_NAMES = ("relu", "gelu", "gelu-tanh", "silu", "swiglu", "geglu")
 NORM_NAMES = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 ATTENTION_BACKEND_NAMES = ("sdpa", "math")
-ATTENTION_NAMES = ("softmax", "performer")
+ATTENTION_NAMES = ("softmax", "longformer", "performer")
 INIT_NAMES = ("xavier", "gpt2", "normal")
 ENCODER_HEAD_NAMES = ("mlm", "none")
 
@@ -253,10 +253,19 @@ class ModelConfig(ConfigBase):
             if self.family != "encoder":
                 raise ConfigError(
                     f"attention 'longformer' gives global tokens two-way attention, which a causal stack cannot have; "
-                    f"it applies to family 'encoder', got '{self.family}' (use sliding_window for a causal local window)"
+                    f"it applies to family 'encoder', got '{self.family}' (use sliding_window for a causal local "
+                    f"window)"
                 )
             if self.attention_window < 2 or self.attention_window % 2:
-                raise ConfigError(f"attention_window must be a positive even number, got {self.attention_window}")
+                raise ConfigError(
+                    f"attention_window must be a positive even number (each token sees attention_window // 2 "
+                    f"neighbours on each side), got {self.attention_window}"
+                )
+            if self.position == "alibi":
+                raise ConfigError(
+                    "attention 'longformer' computes banded scores without a bias matrix, so it cannot add ALiBi's "
+                    "bias; use position 'learned', 'sinusoidal' or 'rope'"
+                )
         if self.attention == "performer":
             if self.position == "alibi" or self.sliding_window is not None:
                 raise ConfigError(

@@ -1,9 +1,9 @@
 """Import and export of local Hugging Face model directories: config.json plus safetensors weights.
 
-`from_hf(path)` reads GPT-2, LLaMA, Mistral, BERT (masked LM or bare encoder), BART and Marian checkpoints, in one
-model.safetensors or in shards listed by model.safetensors.index.json, into a tformer model. `to_hf(model, path)`
-writes a directory that `transformers.AutoModel*.from_pretrained` loads. What each architecture means is data in
-`hf_decoders` and `hf_encoders`; this module reads and writes files and checks them.
+`from_hf(path)` reads GPT-2, LLaMA, Mistral, BERT and Longformer (masked LM or bare encoder), BART and Marian
+checkpoints, in one model.safetensors or in shards listed by model.safetensors.index.json, into a tformer model.
+`to_hf(model, path)` writes a directory that `transformers.AutoModel*.from_pretrained` loads. What each architecture
+means is data in `hf_decoders`, `hf_encoders` and `hf_longformer`; this module reads and writes files and checks them.
 
 Nothing is ever unpickled: a directory with only pytorch_model.bin is refused with a way to convert it.
 """
@@ -26,6 +26,7 @@ from tformer.files import read_mapping, write_atomically
 from tformer.interop.hf_decoders import GPT2, GPT2_BARE, LLAMA, MISTRAL
 from tformer.interop.hf_encoders import BART, BERT_MLM, BERT_MODEL, MARIAN
 from tformer.interop.hf_files import WEIGHTS, WEIGHTS_INDEX, Weights, listed, open_weights
+from tformer.interop.hf_longformer import LONGFORMER_MLM, LONGFORMER_MODEL
 from tformer.interop.hf_spec import COPY, SAME, Entry, Family, HFFields, Table, Transform, UnsupportedHFConfig
 from tformer.models import CheckpointError, TransformerModel, assign_weights, build_model
 
@@ -46,10 +47,22 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 NOT_COMPARED = ("dropout", "attn_dropout", "init", "init_std")  # training settings, kept by export where it can
-DERIVED = ("n_kv_heads", "head_dim")  # fields config.json may leave implicit
+DERIVED = ("n_kv_heads", "head_dim", "attention")  # fields config.json may leave implicit
 
 FAMILIES: dict[str, Family] = {
-    family.architecture: family for family in (GPT2, GPT2_BARE, LLAMA, MISTRAL, BERT_MLM, BERT_MODEL, BART, MARIAN)
+    family.architecture: family
+    for family in (
+        GPT2,
+        GPT2_BARE,
+        LLAMA,
+        MISTRAL,
+        BERT_MLM,
+        BERT_MODEL,
+        LONGFORMER_MLM,
+        LONGFORMER_MODEL,
+        BART,
+        MARIAN,
+    )
 }
 # the architecture read when config.json names only a model_type
 MODEL_TYPES: dict[str, str] = {
@@ -57,13 +70,14 @@ MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "bert": "BertForMaskedLM",
+    "longformer": "LongformerModel",
     "bart": "BartForConditionalGeneration",
     "marian": "MarianMTModel",
 }
 # what `to_hf` tries, in order, for each tformer family: the first that holds the config exactly is written
 EXPORTS: dict[str, tuple[str, ...]] = {
     "decoder": ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM"),
-    "encoder": ("BertForMaskedLM", "BertModel"),
+    "encoder": ("BertForMaskedLM", "BertModel", "LongformerForMaskedLM", "LongformerModel"),
     "encoder-decoder": ("BartForConditionalGeneration", "MarianMTModel"),
 }
 

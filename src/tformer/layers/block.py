@@ -22,6 +22,7 @@ from tformer.layers.kv_cache import LayerCache
 from tformer.layers.linear_attention import PerformerAttention
 from tformer.layers.norms import make_norm
 from tformer.layers.positions import Rotary
+from tformer.layers.sparse_attention import LongformerAttention
 
 Sublayer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -65,7 +66,11 @@ class SandwichNorm(nn.Module):
 
 
 # config.attention -> the self-attention module; each takes Attention's constructor and forward arguments
-SELF_ATTENTIONS: dict[str, type[nn.Module]] = {"softmax": Attention, "performer": PerformerAttention}
+SELF_ATTENTIONS: dict[str, type[nn.Module]] = {
+    "softmax": Attention,
+    "longformer": LongformerAttention,
+    "performer": PerformerAttention,
+}
 
 RESIDUALS: dict[str, type[nn.Module]] = {
     "post": PostNorm,
