@@ -61,6 +61,20 @@ def test_linear_forms_equal_the_quadratic_form(shape: str, causal: bool, padded:
     torch.testing.assert_close(linear, quadratic, rtol=1e-5, atol=1e-6)
 
 
+def test_queries_at_their_own_slots_see_their_row_up_to_that_slot() -> None:
+    """An engine batch: each row's queries sit at their own slots; keys after a row's last slot are stale."""
+    q, k, v = qkv(3, 4, 2, 3, 30, 16)
+    features = orthogonal_random_features(32, 16, seed=1)
+    slots = torch.tensor([[27, 28, 29], [12, 0, 0], [20, 21, 22]])  # row 1: one real query, two padding ones
+    out = favor_attention(q, k, v, features, True, query_slots=slots)
+    for b, i in [(0, 0), (0, 2), (1, 0), (2, 0), (2, 1), (2, 2)]:
+        end = int(slots[b, i]) + 1
+        alone = favor_attention(
+            q[b : b + 1, :, i : i + 1], k[b : b + 1, :, :end], v[b : b + 1, :, :end], features, True
+        )
+        torch.testing.assert_close(out[b : b + 1, :, i : i + 1], alone, rtol=1e-5, atol=1e-6)
+
+
 def test_causal_form_sees_no_future_key() -> None:
     """Changing keys and values after slot t leaves outputs up to t unchanged; earlier keys do change them."""
     q, k, v = qkv(1, 2, 2, 130, 130, 16)

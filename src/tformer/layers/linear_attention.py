@@ -55,8 +55,8 @@ def query_features(q: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     """
     x = q.float() * q.shape[-1] ** -0.25  # q' . k' = q . k / sqrt(D)
     exponent = x @ projection.float().T  # (..., T, m)
-    exponent = exponent - exponent.amax(dim=-1, keepdim=True).detach()
-    return torch.exp(exponent) * projection.shape[0] ** -0.5
+    stabilizer = exponent.amax(dim=-1, keepdim=True).detach() + math.log(projection.shape[0]) / 2  # 1 / sqrt(m)
+    return torch.exp(exponent - stabilizer)
 
 
 def key_features(k: torch.Tensor, projection: torch.Tensor, key_padding: torch.Tensor | None) -> torch.Tensor:
@@ -71,7 +71,7 @@ def key_features(k: torch.Tensor, projection: torch.Tensor, key_padding: torch.T
         exponent = exponent.masked_fill(~key_padding[:, None, None, :, None], float("-inf"))
     stabilizer = exponent.amax(dim=(-2, -1), keepdim=True).detach()
     stabilizer = stabilizer.clamp_min(torch.finfo(exponent.dtype).min)  # all keys padded: features stay 0, not NaN
-    return torch.exp(exponent - stabilizer) * projection.shape[0] ** -0.5
+    return torch.exp(exponent - (stabilizer + math.log(projection.shape[0]) / 2))  # the 1 / sqrt(m) inside exp
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -104,11 +104,17 @@ def kernel_attention_quadratic(
     with torch.autocast(q.device.type, enabled=False):
         qg, kg, vg = _grouped(q, k, v)
         qf, kf = query_features(qg, features), key_features(kg, features, key_padding)
-        scores = qf @ kf.transpose(-2, -1)  # (B, Hkv, G, Tq, Tk)
-        if causal:
-            scores = scores * _causal_mask(q.shape[2], k.shape[2], q.device)
-        out = (scores @ vg) / (scores.sum(dim=-1, keepdim=True) + EPS)  # (B, Hkv, G, Tq, D)
+        allowed = _causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
+        out = _quadratic(qf, kf, vg, allowed)
     return out.reshape(q.shape).to(q.dtype)
+
+
+def _quadratic(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """A V / (A 1 + EPS) with A = phi(Q) phi(K)^T (B, Hkv, G, Tq, Tk), zero where `allowed` is False."""
+    scores = qf @ kf.transpose(-2, -1)
+    if allowed is not None:
+        scores = scores * allowed
+    return (scores @ v) / (scores.sum(dim=-1, keepdim=True) + EPS)
 
 
 def favor_attention(
@@ -118,23 +124,39 @@ def favor_attention(
     features: torch.Tensor,
     causal: bool,
     key_padding: torch.Tensor | None = None,
+    query_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FAVOR+ attention in linear time and memory: q (B, H, Tq, D) over k, v (B, Hkv, Tk, D) -> (B, H, Tq, D).
 
     `features` is the random projection W (m, D). `key_padding` (B, Tk) is True for real keys. Under `causal`,
-    the queries are the last Tq of the Tk slots (a decoding step after cached keys sees every earlier key).
+    the queries are the last Tq of the Tk slots (a decoding step after cached keys sees every earlier key), or,
+    with `query_slots` (B|1, Tq), each sits at its own slot (an engine batch of sequences at different lengths):
+    that case multiplies the (Tq x Tk) kernel matrix, linear in Tk for the few queries of a decoding step.
     Features and sums are computed in fp32 (autocast off); the output comes back in q's dtype.
     """
     with torch.autocast(q.device.type, enabled=False):
+        if causal and query_slots is not None:  # keys past a row's last query are not that row's (stale slots)
+            key_padding = _visible_keys(query_slots, key_padding, k.shape[0], k.shape[2])
         qg, kg, vg = _grouped(q, k, v)
         qf, kf = query_features(qg, features), key_features(kg, features, key_padding)
-        if causal:
+        if causal and query_slots is not None:
+            slots = query_slots[:, None, None, :, None]  # (B|1, 1, 1, Tq, 1)
+            out = _quadratic(qf, kf, vg, torch.arange(k.shape[2], device=k.device) <= slots)
+        elif causal:
             num, den = _causal_sums(qf, kf, vg)
+            out = num / (den + EPS)
         else:
             num = qf @ (kf.transpose(-2, -1) @ vg)  # (B, Hkv, G, Tq, m) @ (B, Hkv, 1, m, D)
             den = qf @ kf.sum(dim=-2)[..., None]  # (B, Hkv, G, Tq, 1)
-        out = num / (den + EPS)
+            out = num / (den + EPS)
     return out.reshape(q.shape).to(q.dtype)
+
+
+def _visible_keys(query_slots: torch.Tensor, key_padding: torch.Tensor | None, batch: int, n_keys: int) -> torch.Tensor:
+    """(B, Tk) True for the real keys at or before each row's last query slot."""
+    visible = torch.arange(n_keys, device=query_slots.device) <= query_slots.amax(dim=1, keepdim=True)
+    visible = visible.expand(batch, n_keys)
+    return visible if key_padding is None else visible & key_padding
 
 
 def _causal_sums(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +174,7 @@ def _causal_sums(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor) -> tuple[t
     pad = n_chunks * CHUNK - n_queries  # zero features add nothing to any sum
 
     def chunks(x: torch.Tensor) -> torch.Tensor:  # (..., T, c) -> (..., n_chunks, CHUNK, c)
-        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
         return x.unflatten(-2, (n_chunks, CHUNK))
 
     qc, kc, vc = chunks(qf), chunks(kf), chunks(v)
