@@ -69,7 +69,8 @@ def generate(
 
 def serve(
     *,
-    model: str,
+    model: str | None = None,
+    runs: str | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
@@ -85,9 +86,14 @@ def serve(
     draft_quantize: str | None = None,
     speculative_tokens: int = 4,
 ) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics).
+    """Serve a model over an OpenAI-compatible HTTP API (/v1, /metrics) and a web playground at / (chat, runs, ...).
 
-    model: a .gguf file, a tformer checkpoint directory or a Hugging Face model directory
+    The playground chats with a decoder, translates with an encoder-decoder and shows its cross-attention map, and
+    draws the training runs under --runs live.
+
+    model: a .gguf file, a tformer checkpoint directory, a Hugging Face model directory, or a training run
+      directory (its best checkpoint); without it, only the runs dashboard is served
+    runs: a directory of training runs (each with a metrics.jsonl) for the playground's dashboard (default: none)
     host: address to bind; the default, loopback, accepts no other machine (0.0.0.0 accepts all)
     port: TCP port to listen on
     api_key: require 'Authorization: Bearer KEY' on /v1 routes (default: $TFORMER_API_KEY, else none)
@@ -109,6 +115,11 @@ def serve(
 
     if compile:
         _keep_compiled_kernels()
+    if model is not None and _is_run_directory(Path(model)):
+        from tformer.training.checkpoint import resolve_checkpoint
+
+        model_name = model_name or Path(model).resolve().name  # the run's name, not its step-* directory's
+        model = str(resolve_checkpoint(model))
     config = EngineConfig(
         max_model_len=max_model_len,
         max_seqs=max_seqs,
@@ -128,7 +139,14 @@ def serve(
         dtype=dtype,
         draft_model=draft_model,
         draft_quantize=draft_quantize,
+        runs_dir=runs,
     )
+
+
+def _is_run_directory(path: Path) -> bool:
+    """A training run's directory (checkpoints/ inside), rather than a model directory (a config file inside)."""
+    has_config = any((path / name).is_file() for name in ("config.yaml", "config.json"))
+    return path.is_dir() and (path / "checkpoints").is_dir() and not has_config
 
 
 def convert(source: str, *, out: str, to: str = "tformer", merge_lora: str | None = None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -26,6 +27,7 @@ from tformer.serve.async_engine import AsyncEngine, EngineStopped
 from tformer.serve.errors import APIError, error_body, install_error_handlers
 from tformer.serve.metrics import Metrics
 from tformer.serve.middleware import ApiKeyMiddleware, RequestCounter
+from tformer.serve.playground import add_playground
 from tformer.serve.protocol import (
     UNION_FORMS,
     ChatFormat,
@@ -127,6 +129,7 @@ class Server:
         fmt: CompletionFormat,
         stream: bool,
         include_usage: bool = False,
+        continuous_usage: bool = False,
     ) -> Response:
         """Hands the request to the engine; answers with an SSE stream or the whole completion."""
         started = time.perf_counter()
@@ -137,7 +140,7 @@ class Server:
         self.metrics.prompt_tokens.inc(len(ids))
         outputs = self._tracked(self.engine.stream(fmt.request_id), fmt.endpoint, started, params.n)
         if stream:
-            sse = self._sse(outputs, fmt, len(ids), include_usage, params.n)
+            sse = self._sse(outputs, fmt, len(ids), include_usage, params.n, continuous_usage)
             return _EventStream(sse, lambda: self.engine.release(fmt.request_id))
         try:
             return await self._complete(request, outputs, fmt, len(ids), params.n)
@@ -168,20 +171,26 @@ class Server:
         prompt_tokens: int,
         include_usage: bool,
         n: int,
+        continuous_usage: bool = False,
     ) -> AsyncIterator[str]:
         """Server-sent events: OpenAI chunks as text arrives, a last chunk per sample with its finish reason
-        (samples interleave, told apart by their choice index), then [DONE]."""
+        (samples interleave, told apart by their choice index), then [DONE]. With `continuous_usage` every chunk
+        carries the usage so far (vLLM's `continuous_usage_stats`): the playground's live token counts."""
         generated = 0
+
+        def event(chunk: dict[str, Any]) -> str:
+            return _event({**chunk, "usage": usage(prompt_tokens, generated)} if continuous_usage else chunk)
+
         async with aclosing(outputs):
             for chunk in fmt.first_chunks(n):
-                yield _event(chunk)
+                yield event(chunk)
             try:
                 async for out in outputs:
                     generated += len(out.token_ids)
                     if out.text:
-                        yield _event(fmt.chunk(out.text, index=out.index))
+                        yield event(fmt.chunk(out.text, index=out.index))
                     if out.finished:
-                        yield _event(fmt.last_chunk(out.finish_reason, out.index))
+                        yield event(fmt.last_chunk(out.finish_reason, out.index))
             except EngineStopped as err:
                 yield _event(error_body(503, str(err)))
                 return
@@ -278,7 +287,8 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         max_tokens = body.max_tokens or 16
         server.check_fits(len(ids), max_tokens, "prompt", "max_tokens")
         fmt = CompletionFormat(new_id(CompletionFormat.id_prefix), server.model_name)
-        return await server.run(request, ids, body.sampling_params(max_tokens), fmt, body.stream, body.include_usage)
+        params = body.sampling_params(max_tokens)
+        return await server.run(request, ids, params, fmt, body.stream, body.include_usage, body.continuous_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
@@ -289,13 +299,19 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         max_tokens = body.max_completion_tokens or body.max_tokens or max(server.engine.room(len(ids)), 1)
         server.check_fits(len(ids), max_tokens, "messages", tokens_param)
         fmt = ChatFormat(new_id(ChatFormat.id_prefix), server.model_name)
-        return await server.run(request, ids, body.sampling_params(max_tokens), fmt, body.stream, body.include_usage)
+        params = body.sampling_params(max_tokens)
+        return await server.run(request, ids, params, fmt, body.stream, body.include_usage, body.continuous_usage)
 
 
 def create_app(
-    engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str, api_key: str | None = None
+    engine: AsyncEngine,
+    tokenizer: Tokenizer | None,
+    model_name: str,
+    api_key: str | None = None,
+    runs_dir: str | os.PathLike[str] | None = None,
 ) -> FastAPI:
-    """The ASGI app; its lifespan starts the engine thread and stops it when the server shuts down."""
+    """The ASGI app; its lifespan starts the engine thread and stops it when the server shuts down. The web
+    playground is at `/`; its dashboard lists the training runs under `runs_dir`, if given."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -311,6 +327,7 @@ def create_app(
     install_error_handlers(app, UNION_FORMS)
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
+    add_playground(app, server, runs_dir)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestCounter, metrics=server.metrics)  # added last: the outermost, so it counts 401s

@@ -9,12 +9,14 @@ command queue, so an idle server uses no CPU.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tformer.inference import Engine, RequestError, RequestOutput, SamplingParams
 from tformer.models import EncoderDecoder
@@ -71,6 +73,12 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future
+
+
 class _Stop:
     pass
 
@@ -87,7 +95,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # the callers' side: touched only from event loops
         self.num_cancelled = 0  # requests that ended before finishing (the caller left, or the engine stopped)
         self._live: dict[str, _Sink] = {}  # the engine thread's side
@@ -182,6 +190,16 @@ class AsyncEngine:
         async for output in self.stream(request_id):
             yield output
 
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Runs `fn()` on the engine thread between two steps and returns its result (or raises its error): for work
+        on the engine's model outside its batch, such as a translation's cross-attention map."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed or not self.is_running:
+                raise EngineStopped("the engine is not running (the server is shutting down)")
+            self._commands.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
     def abort(self, request_id: str) -> None:
         """Cancels a request from any thread; its KV blocks return to the pool at the engine's next turn."""
         self._commands.put(_Abort(request_id))
@@ -223,7 +241,14 @@ class AsyncEngine:
         except queue.Empty:
             return True
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Call):
+            if command.future.set_running_or_notify_cancel():
+                try:
+                    command.future.set_result(command.fn())
+                except Exception as err:  # noqa: BLE001 -- the caller gets it
+                    command.future.set_exception(err)
+            return
         if isinstance(command, _Abort):
             self.engine.abort(command.request_id)
             self._live.pop(command.request_id, None)

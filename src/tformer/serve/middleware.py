@@ -13,7 +13,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tformer.serve.errors import error_response
 from tformer.serve.metrics import Metrics
 
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+ENDPOINTS = (
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/translations",
+    "/v1/playground",
+    "/v1/runs",
+    "/health",
+    "/metrics",
+    "/",
+)
 
 
 class ApiKeyMiddleware:

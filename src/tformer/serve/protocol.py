@@ -33,6 +33,7 @@ UNION_FORMS = {  # what a field of several accepted types takes, for error messa
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # an extension (vLLM's): usage so far in every chunk
 
 
 class _GenerationRequest(BaseModel):
@@ -84,6 +85,10 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions: one prompt, as text or token ids (a batch of one is unwrapped)."""
@@ -133,6 +138,18 @@ class ChatRequest(_GenerationRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+
+
+class TranslationRequest(BaseModel):
+    """POST /v1/translations (tformer's, beside OpenAI's routes): a source sentence for an encoder-decoder model,
+    translated by beam search as `tformer translate` does, with the cross-attention weights of the result."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    input: str
+    beam_size: int = Field(4, ge=1, le=MAX_SAMPLES)  # 1 is greedy search
+    alpha: float = Field(0.6, ge=0.0, le=10.0, allow_inf_nan=False)  # GNMT length penalty ((5 + len) / 6) ** alpha
+    attention: bool = True  # False leaves the weights out of the answer (they are still computed)
 
 
 def _is(*allowed: object) -> Callable[[object], bool]:

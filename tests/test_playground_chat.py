@@ -1,0 +1,266 @@
+"""The playground's chat view in Debian's chromium against `tformer serve` as a process: streaming, Stop, markdown,
+regeneration and the error messages.
+
+The served decoder was trained to answer with a markdown code block (playground_helpers.ANSWER). Every answer the
+page shows is compared with what the offline `Engine` generates for the same request on its own copy; Stop is
+checked on the server's /metrics (its KV blocks back in the pool within 200 ms).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from playground_helpers import (
+    ANSWER,
+    CHAT_CONTEXT,
+    CODE,
+    ServeProcess,
+    browser,  # noqa: F401 -- fixtures: Debian's chromium, one per module
+    browser_context_args,  # noqa: F401
+    fenced_code,
+    listening_addresses,
+    open_page,
+    playwright,  # noqa: F401
+    save_chat_checkpoint,
+    set_input,
+)
+from serve_helpers import Offline
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STOP_DEADLINE_S = 0.2  # from the click on Stop to the request's KV blocks back in the pool
+LONG = CHAT_CONTEXT - 32  # tokens asked for, so that the answer is still streaming when Stop is clicked
+NOTE_STOP_CLICK = """() => document.getElementById("stop").addEventListener(
+    "click", () => { window.__stopClicked = performance.timeOrigin + performance.now(); }, { capture: true })"""
+RECORD_STATES = """() => {
+    window.__states = [];  // each text the answer shows, as the page draws it
+    new MutationObserver(() => {
+        const el = document.querySelector(".message.assistant .content");
+        const text = el ? el.textContent : "";
+        if (text && text !== window.__states[window.__states.length - 1]) window.__states.push(text);
+    }).observe(document.getElementById("messages"), { subtree: true, childList: true, characterData: true });
+}"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _chat_process(request, tmp_path_factory) -> Iterator[ServeProcess | None]:
+    """Starts `tformer serve` with the module (if a selected test needs it), so its start overlaps other work."""
+    if not any("chat" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    directory = tmp_path_factory.mktemp("chat")
+    model = save_chat_checkpoint(directory / "model")
+    server = ServeProcess(model, ["--kv-cache-mb", "16", "--max-seqs", "8"], directory / "serve.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def chat(_chat_process) -> ServeProcess:
+    return _chat_process.ready()
+
+
+@pytest.fixture(scope="module")
+def reference(chat) -> Offline:
+    return Offline(chat.model)
+
+
+class BlocksWatcher(threading.Thread):
+    """Polls /metrics until no KV block is in use, noting when it saw that (epoch seconds, like the page's clock)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.metric = Metrics(url)
+        self.freed_at: float | None = None
+        self.polls = 0
+        self.start()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            self.polls += 1
+            if self.metric("tformer_kv_blocks_in_use") == 0:
+                self.freed_at = time.time()
+                return
+
+
+class Metrics:
+    """The server's /metrics read over one kept-alive connection (a fresh one per read would cost milliseconds)."""
+
+    def __init__(self, url: str) -> None:
+        self.http = httpx.Client(base_url=url, timeout=10)
+
+    def __call__(self, name: str) -> float:
+        match = re.search(rf"^{re.escape(name)} (\S+)$", self.http.get("/metrics").text, re.MULTILINE)
+        assert match, f"{name} missing from /metrics"
+        return float(match.group(1))
+
+
+def greedy_settings(page, max_tokens: int, ignore_eos: bool = False, raw: bool = False) -> None:
+    set_input(page, "#temperature", "0")
+    set_input(page, "#max-tokens", str(max_tokens))
+    set_input(page, "#ignore-eos", ignore_eos)
+    set_input(page, "#raw", raw)
+
+
+def send(page, text: str) -> None:
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+
+
+def test_streamed_text_appears_token_by_token_and_equals_the_engines(page, chat, reference) -> None:
+    requested: list[str] = []
+    page.on("request", lambda r: requested.append(r.url))
+    errors = open_page(page, chat.url)
+    greedy_settings(page, max_tokens=120, ignore_eos=True, raw=True)
+    page.evaluate(RECORD_STATES)
+    send(page, "tell me a story")
+    page.wait_for_selector(".message.assistant[data-finish='length']")
+
+    messages = [{"role": "user", "content": "tell me a story"}]
+    expected = reference.chat(messages, max_tokens=120, temperature=0.0, ignore_eos=True)
+    assert page.text_content(".message.assistant .content") == expected.text
+    states = page.evaluate("window.__states")
+    assert states[-1] == expected.text
+    assert all(expected.text.startswith(state) for state in states), "a drawn state is not a prefix of the answer"
+    assert [len(s) for s in states] == sorted({len(s) for s in states})  # it only grew
+    assert len(states) >= 10, f"the answer came in {len(states)} draws, not token by token"
+    prompt_tokens = len(reference.tokenizer.encode(reference.tokenizer.apply_chat_template(messages)))
+    assert page.text_content("#stat-tokens") == "120 tokens"
+    assert page.text_content("#stat-context") == f"{prompt_tokens + 120} / {CHAT_CONTEXT}"
+    assert re.fullmatch(r"\d+\.\d tok/s", page.text_content("#stat-speed"))
+    assert all(url.startswith(chat.url + "/") for url in requested), "the page fetched from another origin"
+    assert not errors
+
+
+def test_stop_aborts_the_request_and_its_kv_blocks_return_within_200_ms(page, chat, reference) -> None:
+    metric = Metrics(chat.url)
+    aborted = metric("tformer_requests_aborted_total")
+    errors = open_page(page, chat.url)
+    greedy_settings(page, max_tokens=LONG, ignore_eos=True, raw=True)
+    page.evaluate(NOTE_STOP_CLICK)
+    send(page, "a long story")
+    page.wait_for_function("() => document.querySelector('.message.assistant .content')?.textContent.length > 0")
+    assert metric("tformer_kv_blocks_in_use") > 0 and metric("tformer_requests_running") == 1
+
+    watcher = BlocksWatcher(chat.url)  # polls /metrics from before the click until the blocks are free
+    page.click("#stop")
+    watcher.join(10)
+    clicked = page.evaluate("window.__stopClicked") / 1000  # when the click reached the page (epoch seconds)
+    assert watcher.freed_at is not None, "the KV blocks were not freed after Stop"
+    freed = watcher.freed_at - clicked
+    print(f"Stop click to KV blocks free: {freed * 1000:.1f} ms ({watcher.polls} polls of /metrics)")
+    assert 0 < freed < STOP_DEADLINE_S, f"the KV blocks came back {freed * 1000:.0f} ms after the click on Stop"
+    assert metric("tformer_requests_aborted_total") == aborted + 1
+    assert metric("tformer_requests_running") == 0
+
+    page.wait_for_selector("#send:not([disabled])")
+    assert page.is_disabled("#stop")
+    note = re.fullmatch(r"stopped by you after (\d+) tokens", page.text_content(".message.assistant .note"))
+    assert note and 0 < int(note.group(1)) < LONG  # it stopped part way
+    messages = [{"role": "user", "content": "a long story"}]
+    expected = reference.chat(messages, max_tokens=int(note.group(1)), temperature=0.0, ignore_eos=True)
+    assert page.text_content(".message.assistant .content") == expected.text  # the tokens that came, all shown
+    assert not errors
+
+
+def test_a_code_block_renders_with_its_text_intact_and_regenerates(page, chat, reference) -> None:
+    messages = [{"role": "user", "content": "show me a class"}]
+    expected = reference.chat(messages, max_tokens=100, temperature=0.0)
+    assert expected.text == ANSWER, "the served model did not learn its answer; the rendering test means nothing"
+    errors = open_page(page, chat.url)
+    greedy_settings(page, max_tokens=100)
+    send(page, "show me a class")
+    answer = page.locator(".message.assistant")
+    page.wait_for_selector(".message.assistant[data-finish='stop']")
+
+    def check_rendering() -> None:
+        code = answer.locator("pre code")
+        assert code.count() == 1 and [code.text_content()] == fenced_code(expected.text) == [CODE]
+        assert code.get_attribute("class") == "language-python"
+        assert answer.locator(":not(pre) > code").all_text_contents() == ["__init__"]  # inline code, as written
+        assert answer.locator("strong").all_text_contents() == ["x"]
+        text = answer.locator(".content").inner_text()
+        assert "The __init__ method sets x." in text and "```" not in text and "**" not in text
+
+    check_rendering()
+    page.click("#regenerate")
+    page.wait_for_selector(".message.assistant.streaming", state="detached")
+    assert page.locator(".message.user").count() == 1 and answer.count() == 1  # replaced, not added
+    check_rendering()
+    assert not errors
+
+
+def test_bad_input_and_server_errors_show_as_messages(page, chat, reference) -> None:
+    posted: list[str] = []
+    page.on("request", lambda r: posted.append(r.url) if r.method == "POST" else None)
+    errors = open_page(page, chat.url)
+    greedy_settings(page, max_tokens=16)
+    error = page.locator("#chat-error")
+
+    page.click("#send")  # an empty prompt: refused on the page
+    assert error.text_content() == "The message is empty: type something to send." and not posted
+
+    long_prompt = "the cat sat on the mat " * 200  # beyond the 1024-token context
+    send(page, long_prompt)
+    tokenizer = reference.tokenizer
+    tokens = len(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": long_prompt}])))
+    assert tokens > CHAT_CONTEXT
+    error.filter(has_text="refused").wait_for()
+    assert error.text_content() == (
+        "The server refused the request (400) [messages]: the prompt has "
+        f"{tokens} tokens but the model's context holds {CHAT_CONTEXT}; shorten it"
+    )
+    assert page.locator(".message").count() == 0 and page.input_value("#prompt") == long_prompt  # back to edit
+
+    failures = {  # what a broken server or network does to the next request, and what the page says
+        "500": (
+            lambda route: route.fulfill(
+                status=500,
+                content_type="application/json",
+                body=json.dumps({"error": {"message": "internal server error: RuntimeError", "type": "server_error"}}),
+            ),
+            "Server error (500): internal server error: RuntimeError",
+        ),
+        "proxy": (lambda route: route.fulfill(status=502, body="Bad Gateway"), "Server error (502): Bad Gateway"),
+        "network": (lambda route: route.abort("connectionrefused"), "Could not reach the server: "),
+        "mid-stream": (
+            lambda route: route.fulfill(
+                status=200,
+                content_type="text/event-stream",
+                body='data: {"choices": [{"index": 0, "delta": {"content": "Once"}}]}\n\n'
+                'data: {"error": {"message": "the engine failed: RuntimeError: boom", "type": "server_error"}}\n\n',
+            ),
+            "Server error (500): the engine failed: RuntimeError: boom",
+        ),
+    }
+    for name, (handler, message) in failures.items():
+        page.route("**/v1/chat/completions", handler)
+        page.fill("#prompt", "hello")
+        page.click("#send")
+        page.wait_for_selector("#send:not([disabled])")
+        error.wait_for()
+        assert error.text_content().startswith(message), (name, error.text_content())
+        page.unroute("**/v1/chat/completions")
+    assert page.locator(".message.assistant .content").last.text_content() == "Once"  # the part that came is kept
+    assert not errors
+
+
+def test_the_server_binds_loopback_and_serves_the_page_from_its_own_files(chat) -> None:
+    assert listening_addresses(chat.port) == {"127.0.0.1"}
+    page = httpx.get(chat.url)
+    assert page.status_code == 200 and "default-src 'self'" in page.headers["content-security-policy"]
+    static = Path(__file__).parents[1] / "src/tformer/serve/static"
+    files = sorted(p for p in static.rglob("*") if p.is_file())
+    assert {p.suffix for p in files} == {".html", ".css", ".js"}
+    for path in files:
+        text = path.read_text()
+        assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", text), f"{path.name} names another origin"
+        assert httpx.get(f"{chat.url}/static/{path.relative_to(static).as_posix()}").text == text
