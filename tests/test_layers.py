@@ -285,7 +285,7 @@ def test_math_backend_keeps_softmax_weights() -> None:
 
 
 def test_sliding_window_mask_allows_the_last_w_positions() -> None:
-    mask = build_mask(5, None, 5, causal=True, dtype=torch.float32, device=torch.device("cpu"), window=2)
+    mask = build_mask(n_queries=5, n_keys=5, causal=True, dtype=torch.float32, device=torch.device("cpu"), window=2)
     allowed = (mask.bias[0, 0] == 0).int()
     expected = torch.tensor(
         [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.int
@@ -295,7 +295,9 @@ def test_sliding_window_mask_allows_the_last_w_positions() -> None:
 
 def test_padding_mask_blocks_padded_keys_and_never_gives_nan() -> None:
     padding = torch.tensor([[0, 1, 1], [1, 1, 0]])  # left- and right-padded rows
-    mask = build_mask(3, padding, 3, causal=True, dtype=torch.float32, device=torch.device("cpu"))
+    mask = build_mask(
+        n_queries=3, n_keys=3, causal=True, dtype=torch.float32, device=torch.device("cpu"), key_padding=padding
+    )
     allowed = (mask.bias[:, 0] == 0).int()
     expected = torch.tensor([[[0, 0, 0], [0, 1, 0], [0, 1, 1]], [[1, 0, 0], [1, 1, 0], [1, 1, 0]]], dtype=torch.int)
     assert torch.equal(allowed, expected)

@@ -73,8 +73,18 @@ def test_alibi_bias_is_minus_slope_times_distance() -> None:
 def test_alibi_bias_reaches_the_scores_with_the_causal_mask() -> None:
     config = tiny_config(position="alibi", n_heads=4)
     positions = torch.arange(4)[None]
-    alibi = make_positions(config).attention_bias(positions, positions)
-    mask = build_mask(4, None, 4, True, torch.float32, torch.device("cpu"), position_bias=alibi)
+    scheme = make_positions(config)
+    alibi = scheme.attention_bias(positions, positions)
+    mask = build_mask(
+        n_queries=4,
+        n_keys=4,
+        causal=True,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        position_bias=scheme.attention_bias,
+        query_positions=positions,
+        key_positions=positions,
+    )
     lower = torch.ones(4, 4).tril().bool()
     assert torch.equal(mask.bias[0][:, lower], alibi[0][:, lower])
     assert (mask.bias[0][:, ~lower] == torch.finfo(torch.float32).min).all()

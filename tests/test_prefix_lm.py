@@ -11,7 +11,8 @@ from tformer.training.evaluate import forward_logits
 
 
 def test_prefix_mask_is_bidirectional_in_the_prefix_and_causal_after() -> None:
-    mask = build_mask(5, None, 5, True, torch.float32, torch.device("cpu"), prefix_lengths=torch.tensor([3, 0]))
+    cpu, prefix = torch.device("cpu"), torch.tensor([3, 0])
+    mask = build_mask(n_queries=5, n_keys=5, causal=True, dtype=torch.float32, device=cpu, prefix_lengths=prefix)
     allowed = (mask.bias == 0)[:, 0]  # (B, Tq, Tk)
     causal = torch.ones(5, 5).tril().bool()
     expected_first = causal.clone()

@@ -22,6 +22,7 @@ from tformer.inference.paged import PagedLayerKV
 from tformer.inference.scheduler import Sequence
 from tformer.layers.kv_cache import CrossKV, LayerCache
 from tformer.models import DecoderLM, EncoderDecoder, TransformerModel
+from tformer.models.stack import StackInputs, engine_key_count
 
 
 @dataclass
@@ -44,6 +45,10 @@ class StepBatch:
         last_index = torch.tensor([len(chunk) - 1 for chunk in chunks])
         return cls(tokens.to(device), positions.to(device), last_index.to(device))
 
+    def stack_inputs(self, caches: list[LayerCache]) -> StackInputs:
+        """Where the batch's tokens sit for the decoder stack: each row at its own positions over the cache."""
+        return StackInputs.from_engine(self.positions, engine_key_count(caches, self.positions))
+
 
 def _last_hidden(hidden: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), last_index]  # (B, d)
@@ -56,11 +61,11 @@ class CompiledDecode:
         self.stack = stack
         self.compiled = torch.compile(stack, dynamic=True) if compile else None
 
-    def __call__(self, tokens: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, inputs: StackInputs, **kwargs: object) -> torch.Tensor:
         if self.compiled is None or tokens.shape[1] != 1:
-            return self.stack(tokens, **kwargs)
+            return self.stack(tokens, inputs, **kwargs)
         try:
-            return self.compiled(tokens, **kwargs)
+            return self.compiled(tokens, inputs, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as err:
             raise RuntimeError(
                 f"compiling the decode step failed ({type(err.inner_exception).__name__}: {err.inner_exception}); "
@@ -84,7 +89,7 @@ class DecoderRunner:
     ) -> torch.Tensor:
         """Each row's next-token logits (B, V); with `every_position`, those after every token (B, T, V)."""
         caches = [LayerCache(view) for view in views]
-        hidden = self.decoder(batch.tokens, positions=batch.positions, cache=caches)
+        hidden = self.decoder(batch.tokens, batch.stack_inputs(caches), cache=caches)
         if every_position:
             return self.model.lm_head(hidden).float()
         return self.model.lm_head(_last_hidden(hidden, batch.last_index)).float()  # (B, V)
@@ -128,7 +133,7 @@ class Seq2SeqRunner:
             keys = _pad_stack([state.keys[layer] for state in states], width)
             values = _pad_stack([state.values[layer] for state in states], width)
             caches.append(LayerCache(view, CrossKV(keys, values)))
-        hidden = self.decoder(batch.tokens, positions=batch.positions, memory_padding=padding, cache=caches)
+        hidden = self.decoder(batch.tokens, batch.stack_inputs(caches), memory_padding=padding, cache=caches)
         return self.model.lm_head(_last_hidden(hidden, batch.last_index)).float()
 
 

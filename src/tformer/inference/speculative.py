@@ -78,7 +78,7 @@ def _feed(model: DecoderLM, cache: list, rows: list[list[int]], starts: list[int
     An empty row (a finished request) is all padding: position -1, nothing written.
     """
     batch = StepBatch.build(rows, starts, model.decoder.tokens.weight.device)
-    return model(batch.tokens, positions=batch.positions, cache=cache).float()
+    return model(batch.tokens, cache=cache, inputs=batch.stack_inputs(cache)).float()
 
 
 @torch.inference_mode()

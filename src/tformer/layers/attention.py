@@ -9,77 +9,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tformer.config import ModelConfig
 from tformer.layers.dropout import dropout
 from tformer.layers.kv_cache import CrossKV, SelfAttentionCache
+from tformer.layers.masks import AttentionMask
 from tformer.layers.positions import Rotary, apply_rotary
-
-
-@dataclass
-class AttentionMask:
-    """What a query may attend to: an additive bias (B|1, H|1, Tq, Tk), or just 'causal' or nothing.
-
-    `bias` holds 0 where attention is allowed, the dtype's most negative number where it is not, plus any
-    ALiBi term. When it is None and `is_causal` is set, backends use their fast causal path.
-    """
-
-    bias: torch.Tensor | None = None
-    is_causal: bool = False
-    key_padding: torch.Tensor | None = None  # (B, Tk) bool, True for real keys
-    global_tokens: torch.Tensor | None = None  # (B, Tk) bool, Longformer's tokens that attend and are attended everywhere
-
-
-def build_mask(
-    n_queries: int,
-    key_padding: torch.Tensor | None,
-    n_keys: int,
-    causal: bool,
-    dtype: torch.dtype,
-    device: torch.device,
-    window: int | None = None,
-    position_bias: torch.Tensor | None = None,
-    query_slots: torch.Tensor | None = None,
-    prefix_lengths: torch.Tensor | None = None,
-) -> AttentionMask:
-    """Combines causal, sliding-window and padding masks with a position bias, once per forward.
-
-    Queries are the last `n_queries` of the `n_keys` positions (so a cache's new tokens line up at the end),
-    or, when given, sit at `query_slots` (B|1, Tq): a batch of sequences at different positions.
-    `key_padding` is (B, Tk) with True for real tokens. `prefix_lengths` (B,) makes the first slots of each
-    row a bidirectional prefix (prefix LM): they see each other both ways, the rest stays causal.
-    A fully masked row gets uniform weights, not NaN.
-    """
-    if window is not None and window >= n_keys:
-        window = None
-    simple = key_padding is None and window is None and position_bias is None
-    if simple and query_slots is None and prefix_lengths is None:
-        if not causal:
-            return AttentionMask()
-        if n_queries == n_keys:
-            return AttentionMask(is_causal=True)
-    if query_slots is None:
-        query_slots = torch.arange(n_keys - n_queries, n_keys, device=device)[None]
-    q_idx = query_slots[:, None, :, None]  # (B|1, 1, Tq, 1)
-    k_idx = torch.arange(n_keys, device=device)  # (Tk,)
-    allowed = torch.ones(1, 1, n_queries, n_keys, dtype=torch.bool, device=device)
-    if causal:
-        allowed = allowed & (k_idx <= q_idx)
-    if prefix_lengths is not None:
-        prefix = prefix_lengths[:, None, None, None]  # (B, 1, 1, 1)
-        allowed = allowed | ((q_idx < prefix) & (k_idx < prefix))
-    if window is not None:
-        allowed = allowed & (q_idx - k_idx < window)  # (B|1, 1, Tq, Tk)
-    if key_padding is not None:
-        allowed = allowed & key_padding.bool()[:, None, None, :]  # (B, 1, Tq, Tk)
-    bias = torch.zeros((), dtype=dtype, device=device) if position_bias is None else position_bias.to(dtype)
-    bias = bias.masked_fill(~allowed, torch.finfo(dtype).min)
-    return AttentionMask(bias=bias)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -107,6 +47,8 @@ def sdpa_attention(
     64, 22.2 / 14.2 at 128, 22.8 / 21.0 at 256, and 38.7 / 42.0 at 512, where the kernel wins. In fp32 the
     kernel is as fast or faster at every length, so fp32 keeps it.
     """
+    if mask.bias is None and mask.needs_bias(q.shape[2], k.shape[2]):
+        return chunked_attention(q, k, v, mask, dropout_p), None
     low_precision = q.dtype in (torch.bfloat16, torch.float16)
     on_cpu = q.device.type == "cpu"
     if q.shape[2] == 1 and q.shape[0] > 1 and on_cpu and low_precision and not dropout_p:
@@ -115,9 +57,50 @@ def sdpa_attention(
         return math_attention(q, k, v, mask, dropout_p)[0], None
     bias = None if mask.bias is None else mask.bias.to(q.dtype)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=mask.is_causal, enable_gqa=k.shape[1] != q.shape[1]
+        q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=mask.fast_causal(), enable_gqa=k.shape[1] != q.shape[1]
     )
     return out, None
+
+
+QUERY_BLOCK = 512  # queries per block of chunked_attention
+
+
+def chunked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float
+) -> torch.Tensor:
+    """Attention by blocks of QUERY_BLOCK queries, in memory linear in the length (Rabe & Staats, 2021).
+
+    Each block builds only its own bias (block x keys it can see) and calls torch's fused kernel, which keeps
+    no score matrix; in training each block is checkpointed, so backward rebuilds its bias instead of keeping it.
+    Under a causal rule a block reads keys up to its last query only, under a window of W only its last W + block
+    keys: attention then costs O(T * W), not O(T^2).
+    """
+    n_queries, n_keys = q.shape[2], k.shape[2]
+    outputs = []
+    for q_start in range(0, n_queries, QUERY_BLOCK):
+        q_end = min(q_start + QUERY_BLOCK, n_queries)
+        k_start, k_end = mask.key_range(q_start, q_end, n_queries, n_keys)
+        span = (q_start, q_end, k_start, k_end, n_queries, n_keys)
+        block = (q[:, :, q_start:q_end], k[:, :, k_start:k_end], v[:, :, k_start:k_end])
+        if torch.is_grad_enabled() and any(t.requires_grad for t in block):
+            outputs.append(checkpoint(_attention_block, mask, span, dropout_p, *block, use_reentrant=False))
+        else:
+            outputs.append(_attention_block(mask, span, dropout_p, *block))
+    return torch.cat(outputs, dim=2)
+
+
+def _attention_block(
+    mask: AttentionMask,
+    span: tuple[int, int, int, int, int, int],
+    dropout_p: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    bias = mask.bias_block(*span, q.dtype, q.device)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias, dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1]
+    )
 
 
 def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
@@ -146,7 +129,11 @@ def math_attention(
     n_rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
-    if mask.is_causal:
+    n_queries, n_keys = scores.shape[-2:]
+    if mask.bias is None and mask.needs_bias(n_queries, n_keys):  # the reference builds the whole bias
+        full = (0, n_queries, 0, n_keys, n_queries, n_keys)
+        mask = dataclasses.replace(mask, bias=mask.bias_block(*full, scores.dtype, q.device))
+    if mask.fast_causal():
         n_q, n_k = scores.shape[-2:]
         future = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu(n_k - n_q + 1)
         scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
@@ -209,8 +196,9 @@ class Attention(nn.Module):
             if cache is not None:
                 cache.k, cache.v = k, v
         dropout_p = self.attn_dropout if self.training else 0.0
-        if mask.bias is not None and mask.bias.shape[1] > 1 and self.heads != slice(None):
-            mask = dataclasses.replace(mask, bias=mask.bias[:, self.heads])
+        if self.heads != slice(None):  # a tensor-parallel shard: a per-head bias keeps this shard's heads
+            bias = mask.bias if mask.bias is None or mask.bias.shape[1] == 1 else mask.bias[:, self.heads]
+            mask = dataclasses.replace(mask, bias=bias, heads=self.heads)
         out, weights = self.attend(q, k, v, mask, dropout_p)  # (B, H, T, D)
         if self.keep_weights:
             self.last_weights = None if weights is None else weights.detach()

@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from tformer.config import ModelConfig
-from tformer.layers.attention import Attention, AttentionMask
+from tformer.layers.attention import Attention
 from tformer.layers.dropout import Dropout
 from tformer.layers.ffn import make_ffn
 from tformer.layers.kv_cache import LayerCache
 from tformer.layers.linear_attention import PerformerAttention
+from tformer.layers.masks import AttentionMask
 from tformer.layers.norms import make_norm
 from tformer.layers.positions import Rotary
 from tformer.layers.sparse_attention import LongformerAttention

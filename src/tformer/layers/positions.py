@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tformer.config import ModelConfig
+from tformer.errors import RequestError
 
 Rotary = tuple[torch.Tensor, torch.Tensor]
 
@@ -34,6 +35,11 @@ class PositionScheme(nn.Module):
     def attention_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         return None
 
+    @property
+    def has_attention_bias(self) -> bool:
+        """Whether `attention_bias` adds anything (the scheme overrides it)."""
+        return type(self).attention_bias is not PositionScheme.attention_bias
+
 
 SINUSOIDAL_LAYOUTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "interleaved": lambda sin, cos: torch.stack([sin, cos], dim=-1).flatten(-2),  # sin, cos, sin, cos, ...
@@ -52,26 +58,47 @@ def sinusoidal_table(n_positions: int, dim: int, base: float = 10000.0, layout: 
     return SINUSOIDAL_LAYOUTS[layout](angles.sin(), angles.cos()).float()
 
 
+def _last_position(positions: torch.Tensor) -> int:
+    """The largest position id, or -1 when there is none or under torch.compile (where reading it back would
+    break the graph; compiled callers stay within max_seq_len)."""
+    if torch.compiler.is_compiling() or positions.numel() == 0:
+        return -1
+    return int(positions.max())
+
+
 class SinusoidalPositions(PositionScheme):
-    """The paper's fixed encodings, added to the (scaled) token embeddings."""
+    """The paper's fixed encodings, added to the (scaled) token embeddings; computed past max_seq_len too."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.config = config
         table = sinusoidal_table(config.max_seq_len, config.d_model, config.sinusoidal_base, config.sinusoidal_layout)
         self.register_buffer("table", table, persistent=False)
 
     def embed(self, positions: torch.Tensor) -> torch.Tensor:
+        last = _last_position(positions)
+        if last >= self.table.shape[0]:  # the formula holds at any position: extend the table for this call
+            c = self.config
+            table = sinusoidal_table(last + 1, c.d_model, c.sinusoidal_base, c.sinusoidal_layout)
+            return table.to(self.table.device)[positions]
         return self.table[positions]
 
 
 class LearnedPositions(PositionScheme):
-    """One trained vector per absolute position (GPT-2, BERT)."""
+    """One trained vector per absolute position (GPT-2, BERT): none exists past max_seq_len."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embedding = nn.Embedding(config.max_seq_len, config.d_model)
 
     def embed(self, positions: torch.Tensor) -> torch.Tensor:
+        last, limit = _last_position(positions), self.embedding.num_embeddings
+        if last >= limit:
+            raise RequestError(
+                f"position {last} is past this model's learned positions (max_seq_len {limit}): learned positions "
+                f"have no vector there; give at most {limit} tokens, or use a model with position 'sinusoidal', "
+                f"'rope' or 'alibi', which extend past the training length"
+            )
         return self.embedding(positions)
 
 

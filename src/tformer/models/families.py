@@ -10,7 +10,7 @@ from tformer.layers import make_norm
 from tformer.layers.ffn import ACTIVATIONS
 from tformer.layers.kv_cache import LayerCache
 from tformer.models.base import TransformerModel
-from tformer.models.stack import TransformerStack
+from tformer.models.stack import StackInputs, TransformerStack
 
 
 def _output_head(config: ModelConfig, tokens: nn.Embedding, vocab_size: int) -> nn.Linear:
@@ -33,7 +33,7 @@ class EncoderDecoder(TransformerModel):
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Source tokens (B, S) -> memory (B, S, d). src_mask is 1 for real tokens."""
-        return self.encoder(src, src_mask)
+        return self.encoder(src, StackInputs.from_prefix(src, src_mask))
 
     def decode(
         self,
@@ -49,7 +49,8 @@ class EncoderDecoder(TransformerModel):
         With a `cache` from `new_cache`, tgt holds only the new tokens at positions start..start+T-1 and the
         memory's cross-attention keys and values are projected once, on the first call.
         """
-        hidden = self.decoder(tgt, tgt_mask, memory=memory, memory_padding=src_mask, cache=cache, start=start)
+        inputs = StackInputs.from_prefix(tgt, tgt_mask, start=start)
+        hidden = self.decoder(tgt, inputs, memory=memory, memory_padding=src_mask, cache=cache)
         return self.lm_head(hidden)
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
@@ -84,16 +85,18 @@ class DecoderLM(TransformerModel):
         cache: list[LayerCache] | None = None,
         start: int = 0,
         prefix_lengths: torch.Tensor | None = None,
+        inputs: StackInputs | None = None,
     ) -> torch.Tensor:
         """Tokens (B, T) -> next-token logits (B, T, V).
 
         With a `cache` from `new_cache`, input_ids are the new tokens after `start` cached ones and
-        attention_mask (if any) covers all start+T positions. With `prefix_lengths` (B,) the first tokens of
-        each row form a bidirectional prefix (a prefix LM, as in UniLM and T5's prefix-LM objective).
+        attention_mask (if any) covers all start+T positions; `positions` (B, start+T) overrides the position ids.
+        With `prefix_lengths` (B,) the first tokens of each row form a bidirectional prefix (a prefix LM, as in
+        UniLM and T5's prefix-LM objective). `inputs` replaces all of that (the engine's StackInputs.from_engine).
         """
-        hidden = self.decoder(
-            input_ids, attention_mask, positions, cache=cache, start=start, prefix_lengths=prefix_lengths
-        )
+        if inputs is None:
+            inputs = StackInputs.from_prefix(input_ids, attention_mask, positions, start)
+        hidden = self.decoder(input_ids, inputs, cache=cache, prefix_lengths=prefix_lengths)
         return self.lm_head(hidden)
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
@@ -139,7 +142,8 @@ class EncoderMLM(TransformerModel):
 
         `global_tokens` (B, T), for attention 'longformer', marks the tokens with global attention.
         """
-        return self.encoder(input_ids, attention_mask, token_types=token_types, global_tokens=global_tokens)
+        inputs = StackInputs.from_prefix(input_ids, attention_mask)
+        return self.encoder(input_ids, inputs, token_types=token_types, global_tokens=global_tokens)
 
     def forward(
         self,

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tformer.config import ModelConfig
-from tformer.layers import AttentionMask, Block, Dropout, build_mask, make_norm, make_positions
+from tformer.layers import AttentionMask, Block, Dropout, make_norm, make_positions
 from tformer.layers.kv_cache import KVCache, LayerCache
+from tformer.layers.masks import build_mask
 
 
 def default_positions(n_keys: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -23,8 +25,63 @@ def default_positions(n_keys: int, attention_mask: torch.Tensor | None, device: 
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _key_count(cache: list[LayerCache], positions: torch.Tensor) -> int:
-    """How many key positions a cached step attends over: the largest position plus one.
+@dataclass(frozen=True)
+class StackInputs:
+    """Where one forward's T tokens sit among the Tk keys they attend over: the stack's single way in.
+
+    Built by `from_prefix` (a batch of sequences, maybe after `start` cached tokens; training and simple decoding)
+    or `from_engine` (the engine's batch, each row at its own positions).
+    """
+
+    positions: torch.Tensor  # (B|1, T) position ids of the tokens: embeddings, rotary and position bias read them
+    key_positions: torch.Tensor  # (B|1, Tk) position ids of every key, cached ones included
+    cache_slots: torch.Tensor  # (B|1, T) where the tokens' keys and values go in a cache
+    n_keys: int
+    query_slots: torch.Tensor | None = None  # (B|1, T) each token's slot among the keys; None: the last T
+    key_padding: torch.Tensor | None = None  # (B, Tk) True for real tokens
+
+    @classmethod
+    def from_prefix(
+        cls,
+        tokens: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        start: int = 0,
+    ) -> StackInputs:
+        """`tokens` (B, T) at slots start..start+T-1 after `start` cached ones.
+
+        `attention_mask` (B, start + T), 1 for real tokens, covers every key; left padding shifts the positions it
+        derives. `positions` (B, start + T) overrides them (context parallelism passes a shard's global positions).
+        """
+        batch, n_new = tokens.shape
+        n_keys = start + n_new
+        key_positions = default_positions(n_keys, attention_mask, tokens.device) if positions is None else positions
+        return cls(
+            positions=key_positions[:, start:].expand(batch, n_new),
+            key_positions=key_positions,
+            cache_slots=torch.arange(start, n_keys, device=tokens.device)[None],
+            n_keys=n_keys,
+            key_padding=None if attention_mask is None else attention_mask.bool(),
+        )
+
+    @classmethod
+    def from_engine(cls, positions: torch.Tensor, n_keys: int) -> StackInputs:
+        """The engine's batch: `positions` (B, T) places each row's tokens (-1 marks padding) over `n_keys` slots.
+
+        A slot is a position here: the engine's sequences start at 0, with no padding inside.
+        """
+        slots = positions.clamp(min=0)
+        return cls(
+            positions=slots,
+            key_positions=torch.arange(n_keys, device=positions.device)[None],
+            cache_slots=positions,
+            n_keys=n_keys,
+            query_slots=slots,
+        )
+
+
+def engine_key_count(cache: list[LayerCache], positions: torch.Tensor) -> int:
+    """How many key slots an engine step attends over: the largest position plus one.
 
     A cache that already knows it (the engine's paged view, `key_count`) says so, which spares reading a
     tensor value back, a graph break under torch.compile.
@@ -78,69 +135,55 @@ class TransformerStack(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
+        inputs: StackInputs | None = None,
+        *,
         token_types: torch.Tensor | None = None,
         memory: torch.Tensor | None = None,
         memory_padding: torch.Tensor | None = None,
         cache: list[LayerCache] | None = None,
-        start: int = 0,
         prefix_lengths: torch.Tensor | None = None,
         global_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens (B, T) -> hidden states (B, T, d). Masks are 1 for real tokens.
+        """tokens (B, T) -> hidden states (B, T, d), placed by `inputs` (default: a fresh unpadded batch).
 
-        `global_tokens` (B, T) marks the tokens a Longformer attention layer attends to (and from) everywhere.
-
-        `prefix_lengths` (B,) turns a causal stack into a prefix LM: each row's first slots attend both ways.
-
-        Without a cache, attention_mask and positions are (B, T). With a `cache` (incremental decoding):
-        - either `tokens` sit at positions start..start+T-1 after the cached ones, and attention_mask (if any)
-          covers all start+T keys (left padding shifts the positions it derives);
-        - or `positions` (B, T) place each row's tokens itself (an engine batch of sequences at different
-          lengths, -1 marking padding), and there is no attention_mask.
-        With cached cross-attention keys and values, `memory` may be None if memory_padding is given.
+        `cache` holds the keys and values of earlier slots (incremental decoding); `memory` (B, S, d) is the
+        encoder output for cross-attention, `memory_padding` (B, S) its real tokens (with cached cross-attention
+        keys and values, memory may be None). `prefix_lengths` (B,) turns a causal stack into a prefix LM: each
+        row's first slots attend both ways. `global_tokens` (B, T) marks a Longformer layer's global tokens.
         """
-        query_slots = None
-        if cache is not None and positions is not None:
-            if attention_mask is not None:
-                raise ValueError("pass either positions or attention_mask with a cache, not both")
-            query_slots, n_keys = positions.clamp(min=0), _key_count(cache, positions)
-            cache_positions, positions = positions, query_slots
-            key_positions = torch.arange(n_keys, device=tokens.device)[None]
-        else:
-            T = tokens.shape[1]
-            n_keys = start + T
-            key_positions = default_positions(n_keys, attention_mask, tokens.device) if positions is None else positions
-            positions = key_positions[:, start:].expand(tokens.shape[0], T)
-            cache_positions = torch.arange(start, n_keys, device=tokens.device)[None]
-        x = self.embed(tokens, positions, token_types)
-        dtype, device = compute_dtype(x), x.device
-        position_bias = self.positions.attention_bias(positions, key_positions)
+        inputs = StackInputs.from_prefix(tokens) if inputs is None else inputs
+        x = self.embed(tokens, inputs.positions, token_types)
+        dtype, device, n_queries = compute_dtype(x), x.device, tokens.shape[1]
         mask = build_mask(
-            tokens.shape[1],
-            attention_mask,
-            n_keys,
-            self.causal,
-            dtype,
-            device,
-            self.window,
-            position_bias,
-            query_slots,
-            prefix_lengths,
+            n_queries=n_queries,
+            n_keys=inputs.n_keys,
+            causal=self.causal,
+            dtype=dtype,
+            device=device,
+            key_padding=inputs.key_padding,
+            window=self.window,
+            position_bias=self.positions.attention_bias if self.positions.has_attention_bias else None,
+            query_positions=inputs.positions,
+            key_positions=inputs.key_positions,
+            query_slots=inputs.query_slots,
+            prefix_lengths=prefix_lengths,
+            global_tokens=global_tokens,
         )
-        if attention_mask is not None:
-            mask.key_padding = attention_mask.bool()
-        if global_tokens is not None:
-            mask.global_tokens = global_tokens.bool()
-        rotary = self.positions.rotary(positions)
+        rotary = self.positions.rotary(inputs.positions)
         memory_mask = None
         if memory is not None or memory_padding is not None:
             n_memory = memory.shape[1] if memory is not None else memory_padding.shape[1]
-            memory_mask = build_mask(tokens.shape[1], memory_padding, n_memory, False, dtype, device)
+            memory_mask = build_mask(
+                n_queries=n_queries,
+                n_keys=n_memory,
+                causal=False,
+                dtype=dtype,
+                device=device,
+                key_padding=memory_padding,
+            )
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache[i]
-            x = self._run_layer(layer, x, mask, rotary, memory, memory_mask, layer_cache, cache_positions)
+            x = self._run_layer(layer, x, mask, rotary, memory, memory_mask, layer_cache, inputs.cache_slots)
         return self.final_norm(x)
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 from tformer.config import ModelConfig
 from tformer.data import LMBatch, Seq2SeqBatch
 from tformer.errors import ConfigError
+from tformer.layers.masks import DENSE_BIAS_MAX_ENTRIES
 from tformer.models import build_model
 from tformer.training.evaluate import forward_logits
 from tformer.training.losses import label_smoothed_cross_entropy
@@ -144,7 +145,8 @@ def _stack_terms(config: ModelConfig, seq_len: int, p: Precision, device: str, m
     heads = config.n_heads if config.position == "alibi" else 1
     fused = attention_path(config, seq_len, p, device) == "fused"
     kept = fused or config.activation_checkpointing  # the fused kernel saves the mask; so does checkpoint()
-    saved = masks * heads * seq_len * p.compute if kept else 0.0  # the additive mask (B, 1|H, T, T)
+    dense = seq_len * seq_len <= DENSE_BIAS_MAX_ENTRIES  # longer inputs build the mask by blocks, never kept whole
+    saved = masks * heads * seq_len * p.compute if kept and dense else 0.0  # the additive mask (B, 1|H, T, T)
     if config.position == "rope":
         saved += 2 * 4 * config.head_dim  # cos and sin, fp32
     if config.dropout > 0:
