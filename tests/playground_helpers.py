@@ -112,12 +112,12 @@ def set_input(page: Page, selector: str, value: str | bool) -> None:
 
 
 class ServeProcess:
-    """`python -m tformer serve --model MODEL ARGS` on a free loopback port; started at once, waited for with
-    `ready`."""
+    """`python -m tformer serve --model MODEL [--runs RUNS] ARGS` on a free loopback port; started at once, waited
+    for with `ready`."""
 
-    def __init__(self, model: Path | None, args: list[str], log: Path) -> None:
-        self.model = model
-        args = ["--model", str(model), *args] if model is not None else args
+    def __init__(self, model: Path | None, args: list[str], log: Path, runs: Path | None = None) -> None:
+        self.model, self.runs = model, runs
+        args = (["--model", str(model)] if model else []) + (["--runs", str(runs)] if runs else []) + args
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log

@@ -78,7 +78,8 @@ async function errorFrom(response) {
   return new ApiError(response.status, detail);
 }
 
-// The JSON payloads of a server-sent event stream, until `data: [DONE]`; an `{"error": ...}` event throws.
+// The JSON payloads of a server-sent event stream, one at a time, until `data: [DONE]`; an `{"error": ...}` event
+// throws. One at a time, so that a caller draws each token as it comes, even when a network read brings several.
 export async function* events(response) {
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
@@ -89,24 +90,16 @@ export async function* events(response) {
     buffer += decoder.decode(value, { stream: true });
     const parts = buffer.split("\n\n");
     buffer = parts.pop();
-    const batch = [];
     for (const part of parts) {
       for (const line of part.split("\n")) {
         if (!line.startsWith("data:")) continue;
         const data = line.slice(5).trim();
-        if (data === "[DONE]") {
-          yield batch;
-          return;
-        }
+        if (data === "[DONE]") return;
         const payload = JSON.parse(data);
-        if (payload.error) {
-          if (batch.length) yield batch; // what came before the error is shown
-          throw new ApiError(500, payload.error.message || "the stream failed");
-        }
-        batch.push(payload);
+        if (payload.error) throw new ApiError(500, payload.error.message || "the stream failed");
+        yield payload;
       }
     }
-    if (batch.length) yield batch; // one network read at a time, so the page redraws once per read
   }
   throw new ApiError(0, "the stream ended before [DONE]: the server closed the connection");
 }

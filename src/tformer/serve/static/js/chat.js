@@ -126,9 +126,8 @@ export class ChatView {
     const run = { text: "", usage: null, finish: null, first: 0, last: 0 };
     try {
       const response = await request(path, { method: "POST", body, signal: this.controller.signal });
-      for await (const batch of events(response)) {
-        for (const chunk of batch) this.take(chunk, run);
-        this.draw(view, run.text);
+      for await (const chunk of events(response)) {
+        if (this.take(chunk, run)) this.draw(view, run.text);
         this.showStats(run);
       }
       view.note.textContent = run.finish === "length" ? "stopped at max tokens" : "";
@@ -167,18 +166,18 @@ export class ChatView {
     }
   }
 
-  // One stream chunk: its text, its usage so far, its finish reason.
+  // One stream chunk: its text, its usage so far, its finish reason; true if it brought text.
   take(chunk, run) {
     const choice = chunk.choices && chunk.choices[0];
     const text = choice ? (choice.delta ? choice.delta.content : choice.text) : "";
-    if (text) {
-      run.text += text;
-      const now = performance.now();
-      if (!run.first) run.first = now;
-      run.last = now;
-    }
     if (choice && choice.finish_reason) run.finish = choice.finish_reason;
     if (chunk.usage) run.usage = chunk.usage;
+    if (!text) return false;
+    run.text += text;
+    const now = performance.now();
+    if (!run.first) run.first = now;
+    run.last = now;
+    return true;
   }
 
   appendMessage(role, text) {
