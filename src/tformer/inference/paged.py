@@ -10,6 +10,10 @@ Bookkeeping and storage are separate:
 
 Blocks are shared by reference count: prefix-cache hits and forked sequences (parallel samples, beams) point
 at the same block, and a write into a shared block first copies it (copy-on-write).
+
+Under a sliding window of W tokens, a block whose positions all lie more than W - 1 before the next token is
+never read again: `release_before` returns it to the pool and leaves FREED in its table entry, so a sequence
+holds about W / block_size blocks however long it grows, and each step reads only its rows' windows.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from tformer.models import TransformerModel
 
 BlockKey = tuple[object, tuple[int, ...]]  # (key of the previous block or None, this block's token ids)
+FREED = -1  # a block table entry whose block went back to the pool (it fell out of the sliding window)
 
 
 class NoFreeBlocks(RuntimeError):
@@ -113,7 +118,7 @@ class BlockAllocator:
         """Whether the free blocks cover writing positions start..end-1: the blocks the table must grow by, and a
         copy of every shared block (a fork's or a beam's) that the write touches."""
         first, last = start // self.block_size, min(len(table), -(-end // self.block_size))
-        shared = sum(self.pool.ref_counts[table[i]] > 1 for i in range(first, last))
+        shared = sum(table[i] != FREED and self.pool.ref_counts[table[i]] > 1 for i in range(first, last))
         return self.blocks_needed(table, end) + shared <= self.pool.num_free
 
     def grow(self, table: list[int], n_tokens: int) -> None:
@@ -125,12 +130,20 @@ class BlockAllocator:
 
     def free(self, table: list[int]) -> None:
         for block in reversed(table):  # tail blocks first: they are evicted before the likelier-shared prefix
-            self.pool.release(block)
+            if block != FREED:
+                self.pool.release(block)
         table.clear()
+
+    def release_before(self, table: list[int], position: int) -> None:
+        """Returns to the pool every block whose positions all lie before `position` (outside a sliding window)."""
+        for index in range(min(len(table), position // self.block_size)):
+            if table[index] != FREED:
+                self.pool.release(table[index])
+                table[index] = FREED
 
     def fork(self, table: list[int]) -> list[int]:
         """A new table sharing every block of `table` (parallel samples and beams)."""
-        return [self.pool.share(block) for block in table]
+        return [block if block == FREED else self.pool.share(block) for block in table]
 
     def copy_on_write(self, table: list[int], start: int, end: int) -> list[BlockCopy]:
         """Before writing positions start..end-1: gives `table` its own copy of every shared block they touch."""
@@ -167,7 +180,8 @@ class BlockAllocator:
     def register_prefix(self, table: list[int], tokens: list[int], n_computed: int) -> None:
         """Publishes the full blocks among the first n_computed positions for later prefix hits."""
         for i, key in enumerate(self.block_keys(tokens[:n_computed])):
-            self.pool.register(table[i], key)
+            if table[i] != FREED:
+                self.pool.register(table[i], key)
 
 
 class PagedKVCache:
@@ -182,9 +196,11 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        window: int | None = None,
     ) -> None:
         shape = (num_blocks * block_size, n_kv_heads, head_dim)
         self.block_size = block_size
+        self.window = window  # a sliding window: each row reads only the keys its queries can see
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
 
@@ -203,7 +219,7 @@ class PagedKVCache:
         """Physical slots (B, T) of logical positions (B, T) through each row's block table; -1 stays -1."""
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)  # (B, n_blocks)
-        padded = padded.to(positions.device)
+        padded = padded.clamp(min=0).to(positions.device)  # a FREED block is never read unmasked: any block will do
         valid = positions >= 0
         pos = positions.clamp(min=0)
         block_index = (pos // self.block_size).clamp(max=width - 1)
@@ -213,19 +229,29 @@ class PagedKVCache:
     def step_views(self, tables: list[list[int]], positions: torch.Tensor) -> list[PagedLayerKV]:
         """What each layer reads and writes in one step: new tokens at `positions` (B, T), -1 for padding.
 
-        Every row reads keys 0..n_keys-1, where n_keys is the largest position in the batch plus one;
-        positions a row has not reached yet are masked by causality.
+        Every row reads n_keys keys, from position 0 (n_keys is the batch's largest position plus one), or under a
+        sliding window from its first query's window start (n_keys then spans the widest row's window and new
+        tokens). Positions a row has not reached yet are masked by causality, those before its window by the window.
         """
-        n_keys = int(positions.max()) + 1
+        key_starts = None
+        if self.window is None:
+            n_keys = int(positions.max()) + 1
+            key_positions = torch.arange(n_keys, device=positions.device).expand(len(tables), n_keys)
+        else:
+            first = torch.where(positions >= 0, positions, positions.max()).min(dim=1).values  # (B,)
+            key_starts = (first - self.window + 1).clamp(min=0)[:, None]  # (B, 1)
+            n_keys = int((positions.max(dim=1, keepdim=True).values + 1 - key_starts).max())
+            key_positions = key_starts + torch.arange(n_keys, device=positions.device)  # (B, n_keys)
         write_slots = self.slots(tables, positions).reshape(-1)
         keep = write_slots >= 0
         if bool(keep.all()):  # no padding (e.g. a decode step): no row selection in every layer
             keep = None
-        key_positions = torch.arange(n_keys, device=positions.device).expand(len(tables), n_keys)
         read_slots = self.slots(tables, key_positions)  # (B, n_keys)
         if keep is not None:
             write_slots = write_slots[keep]
-        return [PagedLayerKV(k, v, write_slots, keep, read_slots) for k, v in zip(self.k, self.v, strict=True)]
+        return [
+            PagedLayerKV(k, v, write_slots, keep, read_slots, key_starts) for k, v in zip(self.k, self.v, strict=True)
+        ]
 
 
 class PagedLayerKV:
@@ -238,13 +264,15 @@ class PagedLayerKV:
         write_slots: torch.Tensor,
         keep: torch.Tensor | None,
         read_slots: torch.Tensor,
+        key_starts: torch.Tensor | None = None,
     ) -> None:
         self.k, self.v = k, v
         self.write_slots, self.keep, self.read_slots = write_slots, keep, read_slots
+        self.key_starts = key_starts  # (B, 1) each row's first key position under a sliding window, else None
 
     @property
     def key_count(self) -> int:
-        """Key positions every row reads this step (the batch's largest position plus one)."""
+        """Keys every row reads this step (the batch's largest position plus one, or its widest window)."""
         return self.read_slots.shape[1]
 
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,5 +300,12 @@ def paged_cache_for(model: TransformerModel, num_blocks: int, block_size: int) -
     """A pool of `num_blocks` blocks shaped for the model's decoder, in its embedding's dtype and device."""
     mc, weight = model.config, model.decoder.tokens.weight
     return PagedKVCache(
-        mc.n_decoder_layers, num_blocks, block_size, mc.n_kv_heads, mc.head_dim, weight.dtype, weight.device
+        mc.n_decoder_layers,
+        num_blocks,
+        block_size,
+        mc.n_kv_heads,
+        mc.head_dim,
+        weight.dtype,
+        weight.device,
+        window=mc.sliding_window,
     )

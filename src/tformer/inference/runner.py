@@ -47,7 +47,9 @@ class StepBatch:
 
     def stack_inputs(self, caches: list[LayerCache]) -> StackInputs:
         """Where the batch's tokens sit for the decoder stack: each row at its own positions over the cache."""
-        return StackInputs.from_engine(self.positions, engine_key_count(caches, self.positions))
+        view = caches[0].self_attn
+        key_starts = getattr(view, "key_starts", None)
+        return StackInputs.from_engine(self.positions, engine_key_count(caches, self.positions), key_starts)
 
 
 def _last_hidden(hidden: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:

@@ -81,8 +81,10 @@ class Scheduler:
         prefix_caching: bool = True,
         lookahead: int = 0,
         max_model_len: int | None = None,
+        window: int | None = None,
     ) -> None:
         self.allocator = allocator
+        self.window = window  # a sliding window: blocks wholly before it go back to the pool
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
         self.prefix_caching = prefix_caching
@@ -116,13 +118,16 @@ class Scheduler:
         return max(0, min(self.lookahead, room))
 
     def computed(self, seq: Sequence) -> None:
-        """After a step: the sequence's newly full blocks become prefix-cache entries.
+        """After a step: the sequence's newly full blocks become prefix-cache entries, and under a sliding window
+        the blocks no later token can see go back to the pool.
 
         With a draft model, a block is published only once the draft's keys and values in it are complete too.
         """
         if self.prefix_caching:
             n = min(seq.n_computed, seq.draft_computed) if self.lookahead else seq.n_computed
             self.allocator.register_prefix(seq.table, seq.tokens, n)
+        if self.window is not None and not self.lookahead:  # a draft may roll back and its own cache may be full
+            self.allocator.release_before(seq.table, seq.n_computed - self.window + 1)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Ends a sequence (stopped, cancelled or rejected) and returns its blocks to the pool."""

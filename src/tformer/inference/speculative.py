@@ -98,7 +98,9 @@ def speculative_generate(
         )
     stats = stats if stats is not None else SpeculativeStats()
     longest = max(len(p) for p in prompts) + params.max_tokens + k + 1
-    t_cache, d_cache = target.new_cache(len(prompts), longest), draft.new_cache(len(prompts), longest)
+    # rows advance at their own positions, which a rolling window buffer cannot take: keep every position
+    t_cache = target.new_cache(len(prompts), longest, rolling=False)
+    d_cache = draft.new_cache(len(prompts), longest, rolling=False)
     rows = _Rows(prompts, params.max_tokens)
     generator = None if params.greedy else make_generator(params.seed)
     while any(active := rows.active()):

@@ -17,17 +17,34 @@ class KVCache:
     """Self-attention keys and values preallocated to `max_len`: (B, Hkv, max_len, D) each.
 
     Position p of row b lives in slot p; a position of -1 marks a padding query whose entry is dropped.
+    With a sliding `window` shorter than max_len the cache is a rolling buffer of `window` slots: position p lives
+    in slot p % window, and `update` returns only the keys the new tokens can see (see `first_visible`).
     """
 
     def __init__(
-        self, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device
+        self,
+        batch_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        window: int | None = None,
     ) -> None:
-        shape = (batch_size, n_kv_heads, max_len, head_dim)
+        self.window = window if window is not None and window < max_len else None
+        shape = (batch_size, n_kv_heads, max_len if self.window is None else self.window, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
+    def first_visible(self, start: int) -> int:
+        """The first position `update` returns for new tokens from `start` on: 0, or the window's first key."""
+        return 0 if self.window is None else max(0, start - self.window + 1)
+
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes k, v (B, Hkv, T, D) at `positions` (B|1, T); returns the entries up to the largest position."""
+        """Writes k, v (B, Hkv, T, D) at `positions` (B|1, T); returns the entries up to the largest position
+        (from `first_visible` on, for a rolling buffer)."""
+        if self.window is not None:
+            return self._roll(positions, k, v)
         end = int(positions.max()) + 1
         if end > self.k.shape[2]:
             raise ValueError(f"KV cache holds {self.k.shape[2]} positions; cannot write position {end - 1}")
@@ -44,12 +61,31 @@ class KVCache:
             self.v[rows[keep], :, positions[keep]] = v.transpose(1, 2)[keep]
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def _roll(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rolling buffer: the window's earlier keys then the new ones, and the newest `window` kept."""
+        if positions.shape[0] != 1 or int(positions.min()) < 0:
+            raise ValueError(
+                "a rolling KV cache takes one run of positions shared by every row (batched decoding from one "
+                "start); build the cache with rolling=False for rows at different positions"
+            )
+        start, n_new, window = int(positions[0, 0]), k.shape[2], self.window
+        earlier = torch.arange(self.first_visible(start), start, device=k.device) % window
+        keys = torch.cat([self.k[:, :, earlier], k], dim=2)
+        values = torch.cat([self.v[:, :, earlier], v], dim=2)
+        kept = min(n_new, window)
+        slots = torch.arange(start + n_new - kept, start + n_new, device=k.device) % window
+        self.k[:, :, slots] = k[:, :, n_new - kept :]
+        self.v[:, :, slots] = v[:, :, n_new - kept :]
+        return keys, values
+
     def reorder(self, index: torch.Tensor, length: int | None = None) -> None:
         """Keeps batch rows `index` (beam search: each surviving hypothesis takes its parent's cache).
 
         With `length`, only the first `length` positions are copied (the rest is not written yet); when the
         batch keeps its size, the copy goes into the existing tensors instead of new ones.
         """
+        if length is not None:
+            length = min(length, self.k.shape[2])  # a rolling buffer holds at most its window
         if length is None or len(index) != self.k.shape[0]:
             self.k, self.v = self.k[index], self.v[index]
             return

@@ -49,7 +49,7 @@ class EncoderDecoder(TransformerModel):
         With a `cache` from `new_cache`, tgt holds only the new tokens at positions start..start+T-1 and the
         memory's cross-attention keys and values are projected once, on the first call.
         """
-        inputs = StackInputs.from_prefix(tgt, tgt_mask, start=start)
+        inputs = StackInputs.from_prefix(tgt, tgt_mask, start=start, first_key=self.decoder.first_visible(cache, start))
         hidden = self.decoder(tgt, inputs, memory=memory, memory_padding=src_mask, cache=cache)
         return self.lm_head(hidden)
 
@@ -95,13 +95,16 @@ class DecoderLM(TransformerModel):
         UniLM and T5's prefix-LM objective). `inputs` replaces all of that (the engine's StackInputs.from_engine).
         """
         if inputs is None:
-            inputs = StackInputs.from_prefix(input_ids, attention_mask, positions, start)
+            first_key = self.decoder.first_visible(cache, start)
+            inputs = StackInputs.from_prefix(input_ids, attention_mask, positions, start, first_key)
         hidden = self.decoder(input_ids, inputs, cache=cache, prefix_lengths=prefix_lengths)
         return self.lm_head(hidden)
 
-    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
-        """Empty KV caches for `batch_size` sequences of up to `max_len` tokens."""
-        return self.decoder.new_cache(batch_size, max_len, dtype)
+    def new_cache(
+        self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, rolling: bool = True
+    ) -> list[LayerCache]:
+        """Empty KV caches for `batch_size` sequences of up to `max_len` tokens (rolling: see TransformerStack)."""
+        return self.decoder.new_cache(batch_size, max_len, dtype, rolling)
 
 
 class MLMHead(nn.Module):

@@ -47,36 +47,44 @@ class StackInputs:
         attention_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         start: int = 0,
+        first_key: int = 0,
     ) -> StackInputs:
         """`tokens` (B, T) at slots start..start+T-1 after `start` cached ones.
 
         `attention_mask` (B, start + T), 1 for real tokens, covers every key; left padding shifts the positions it
         derives. `positions` (B, start + T) overrides them (context parallelism passes a shard's global positions).
+        `first_key` > 0 when the cache returns keys from there on only (a rolling sliding-window buffer).
         """
         batch, n_new = tokens.shape
-        n_keys = start + n_new
-        key_positions = default_positions(n_keys, attention_mask, tokens.device) if positions is None else positions
+        end = start + n_new
+        key_positions = default_positions(end, attention_mask, tokens.device) if positions is None else positions
         return cls(
             positions=key_positions[:, start:].expand(batch, n_new),
-            key_positions=key_positions,
-            cache_slots=torch.arange(start, n_keys, device=tokens.device)[None],
-            n_keys=n_keys,
-            key_padding=None if attention_mask is None else attention_mask.bool(),
+            key_positions=key_positions[:, first_key:],
+            cache_slots=torch.arange(start, end, device=tokens.device)[None],
+            n_keys=end - first_key,
+            key_padding=None if attention_mask is None else attention_mask[:, first_key:].bool(),
         )
 
     @classmethod
-    def from_engine(cls, positions: torch.Tensor, n_keys: int) -> StackInputs:
-        """The engine's batch: `positions` (B, T) places each row's tokens (-1 marks padding) over `n_keys` slots.
+    def from_engine(cls, positions: torch.Tensor, n_keys: int, key_starts: torch.Tensor | None = None) -> StackInputs:
+        """The engine's batch: `positions` (B, T) places each row's tokens (-1 marks padding) over `n_keys` keys.
 
-        A slot is a position here: the engine's sequences start at 0, with no padding inside.
+        Row b's keys are positions key_starts[b] .. key_starts[b] + n_keys - 1 (`key_starts` (B, 1), for a sliding
+        window; None: from 0). The engine's sequences start at position 0, with no padding inside.
         """
-        slots = positions.clamp(min=0)
+        real_positions = positions.clamp(min=0)
+        key_positions = torch.arange(n_keys, device=positions.device)[None]
+        query_slots = real_positions
+        if key_starts is not None:
+            key_positions = key_positions + key_starts
+            query_slots = (real_positions - key_starts).clamp(min=0)
         return cls(
-            positions=slots,
-            key_positions=torch.arange(n_keys, device=positions.device)[None],
+            positions=real_positions,
+            key_positions=key_positions,
             cache_slots=positions,
             n_keys=n_keys,
-            query_slots=slots,
+            query_slots=query_slots,
         )
 
 
@@ -186,14 +194,26 @@ class TransformerStack(nn.Module):
             x = self._run_layer(layer, x, mask, rotary, memory, memory_mask, layer_cache, inputs.cache_slots)
         return self.final_norm(x)
 
-    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
-        """Empty per-layer caches for decoding up to `max_len` positions."""
+    def new_cache(
+        self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, rolling: bool = True
+    ) -> list[LayerCache]:
+        """Empty per-layer caches for decoding up to `max_len` positions.
+
+        Under a sliding window each is a rolling buffer of the window's size when `rolling` (rows must then share
+        their positions: batched decoding from one start); rolling=False keeps every position.
+        """
         weight = self.tokens.weight
         heads, head_dim = self.config.n_kv_heads, self.config.head_dim
+        window = self.window if rolling else None
         return [
-            LayerCache(KVCache(batch_size, heads, head_dim, max_len, dtype or weight.dtype, weight.device))
+            LayerCache(KVCache(batch_size, heads, head_dim, max_len, dtype or weight.dtype, weight.device, window))
             for _ in self.layers
         ]
+
+    def first_visible(self, cache: list[LayerCache] | None, start: int) -> int:
+        """The first key position a cached step from `start` sees: above 0 only in a rolling window buffer."""
+        first_visible = getattr(cache[0].self_attn, "first_visible", None) if cache else None
+        return 0 if first_visible is None else first_visible(start)
 
     def _run_layer(self, layer: Block, x: torch.Tensor, mask: AttentionMask, *rest: object) -> torch.Tensor:
         if self.config.activation_checkpointing and self.training:
