@@ -4,20 +4,26 @@ softmax attention as features grow, and a decoder LM built with attention 'perfo
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_model, tiny_config, tokens
+from helpers import prompts_of_mixed_lengths, reference_greedy
 
+import tformer
 from tformer import ModelConfig
 from tformer.errors import ConfigError
-from tformer.layers.attention import AttentionMask
+from tformer.inference.engine import Engine, EngineConfig
+from tformer.inference.sampling import SamplingParams
 from tformer.layers.linear_attention import (
+    CHUNK,
     PerformerAttention,
     favor_attention,
     kernel_attention_quadratic,
     orthogonal_random_features,
 )
+from tformer.layers.masks import AttentionMask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,12 +45,14 @@ def padding(batch: int, n_keys: int) -> torch.Tensor:
 
 # ---- the linear forms against the quadratic form of the same kernel ---------------------------------------------
 
-SHAPES = {  # (n_queries, n_keys): one chunk, a partial chunk, several chunks with a partial tail, cached steps
+N = 2 * CHUNK + 22  # two whole chunks and a partial one
+SHAPES = {  # (n_queries, n_keys)
     "T=1": (1, 1),
-    "T=64": (64, 64),
-    "T=150": (150, 150),
-    "cached 1 of 150": (1, 150),
-    "cached 70 of 150": (70, 150),
+    "part of a chunk": (CHUNK // 2, CHUNK // 2),
+    "one chunk": (CHUNK, CHUNK),
+    "chunks and a part": (N, N),
+    "cached step of 1": (1, N),
+    "cached step of a chunk and a part": (CHUNK + 12, N),
 }
 
 
@@ -187,6 +195,14 @@ def test_features_are_a_seeded_buffer_outside_the_state_dict() -> None:
         torch.testing.assert_close(rebuilt(ids), first, rtol=0, atol=0)
 
 
+def test_a_saved_performer_loads_with_the_same_features(tmp_path: Path) -> None:
+    model = make_model(performer_config())
+    model.save(tmp_path)
+    ids = tokens(2, 20, model.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(tformer.load(tmp_path)(ids), model(ids), rtol=0, atol=0)
+
+
 def test_performer_with_alibi_or_a_sliding_window_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="performer"):
         tiny_config("tiny-gpt2", attention="performer", position="alibi")
@@ -224,6 +240,54 @@ def test_performer_decoder_is_causal() -> None:
         a, b = model(ids), model(changed)
     torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=1e-6)
     assert (a[:, 10:] - b[:, 10:]).abs().max() > 1e-3
+
+
+def left_padding_mask(batch: int, length: int) -> torch.Tensor:
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for b in range(1, batch):
+        mask[b, : 2 * b] = 0
+    return mask
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_cached_logits_equal_the_full_forward(padded: bool) -> None:
+    """Prefill, then chunks of 3 and single tokens on the KV cache: the logits of one full forward."""
+    model = make_model(performer_config())
+    ids = tokens(3, 14, model.config.vocab_size)
+    mask = left_padding_mask(3, 14) if padded else None
+    steps = [(0, 4), (4, 7)] + [(t, t + 1) for t in range(7, 14)]
+    cache = model.new_cache(3, 14)
+    with torch.no_grad():
+        full = model(ids, mask)
+        cached = torch.cat(
+            [model(ids[:, a:b], None if mask is None else mask[:, :b], cache=cache, start=a) for a, b in steps], 1
+        )
+    real = torch.ones(3, 14, dtype=torch.bool) if mask is None else mask.bool()
+    torch.testing.assert_close(cached[real], full[real], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "engine_config",
+    [
+        EngineConfig(block_size=4, num_blocks=64, max_batched_tokens=256),  # paged, whole prompts at once
+        EngineConfig(block_size=4, num_blocks=64, max_batched_tokens=8),  # chunked prefill
+    ],
+    ids=["paged", "chunked-prefill"],
+)
+def test_engine_greedy_equals_the_uncached_forward(engine_config: EngineConfig) -> None:
+    """The engine batches sequences at different lengths (each row's queries at their own slots)."""
+    model = make_model(performer_config())
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    results = Engine(model, config=engine_config).generate(prompts, greedy)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == reference_greedy(model, prompt, greedy.max_tokens)
+
+
+def test_a_prefix_lm_is_a_config_error() -> None:
+    model = make_model(performer_config())
+    with pytest.raises(ConfigError, match="prefix"):
+        model(tokens(2, 8, model.config.vocab_size), prefix_lengths=torch.tensor([3, 4]))
 
 
 def test_bf16_autocast_keeps_the_kernel_in_fp32() -> None:
