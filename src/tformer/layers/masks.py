@@ -102,7 +102,7 @@ class AttentionMask:
             position_bias = self.position_bias(q_pos, self.key_positions[:, k_start:k_end])
             if position_bias is not None:
                 bias = position_bias[:, self.heads].to(dtype)
-        return bias.masked_fill(~allowed, torch.finfo(dtype).min)
+        return torch.where(allowed, bias, torch.finfo(dtype).min)  # one pass, where masked_fill copies first
 
 
 def build_mask(
