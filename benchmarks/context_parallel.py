@@ -8,7 +8,8 @@ SDPA (its CPU flash kernel: attention memory is already linear in T there), 2 ra
 
 Memory is the peak resident set of each process (getrusage ru_maxrss) above its size just before the first step
 (model, optimizer and inputs built, torch imported), so it counts activations, gradients, Adam's moments and the
-allocator's slack. Time is the median of the steps after the first (warm-up).
+allocator's slack. Time is the median of the steps after the first (warm-up): wall time, and the CPU time the
+processes used (every thread, summed over ranks), which a busy machine inflates far less than wall time.
 
 On 2 cores, 2 ranks get one thread each while the single process gets both, and the ranks' sends and all-reduces
 run on the same cores: this cannot show a speed-up. What context parallelism buys here is memory per rank.
@@ -72,17 +73,23 @@ def worker(seq_len: int, steps: int) -> None:
         module = context_parallel(model, "clm", torch.device("cpu"), 0)
         batch = shard_lm_batch(batch, dist.get_rank(), world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    baseline, seconds, losses = peak_rss_mib(), [], []
+    baseline, seconds, cpu_seconds, losses = peak_rss_mib(), [], [], []
     for _ in range(steps):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         logits = module(batch.input_ids, batch.attention_mask)
         loss = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum") / seq_len
         (loss * world).backward()  # DDP averages over the ranks: make it a sum of their shares
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         seconds.append(time.perf_counter() - started)
+        cpu_seconds.append(time.process_time() - cpu_started)
         losses.append(loss.item())
-    mine = {"peak_mib": peak_rss_mib() - baseline, "seconds": statistics.median(seconds[1:]), "losses": losses}
+    mine = {
+        "peak_mib": peak_rss_mib() - baseline,
+        "seconds": statistics.median(seconds[1:]),
+        "cpu_seconds": statistics.median(cpu_seconds[1:]),
+        "losses": losses,
+    }
     everyone = [mine]
     if world > 1:
         everyone = [None] * world
@@ -120,8 +127,9 @@ def main() -> None:
     waited, busy = wait_for_idle(args.wait_idle) if args.wait_idle else (0.0, "not checked")
     lines = [f"context parallelism, {time.strftime('%Y-%m-%d')}, model {json.dumps(MODEL)}"]
     lines += [f"waited {waited:.0f} s for a quiet CPU; other busy processes: {busy}", load_report("before")]
-    header = "| tokens | setup | s / step | peak MiB per rank (above start) | loss, step 1 |"
-    lines += [header, "|---|---|---|---|---|"]
+    header = "| tokens | setup | wall s / step | CPU s / step, all ranks | peak MiB per rank (above start) | "
+    header += "loss, step 1 |"
+    lines += [header, "|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     cores = os.cpu_count()
     for seq_len in lengths:
@@ -136,11 +144,12 @@ def main() -> None:
         gap = max(abs(a - b) / a for a, b in zip(single["losses"], ring["losses"], strict=True))
         for name, report in setups.items():
             seconds = max(r["seconds"] for r in report["ranks"])
+            cpu_seconds = sum(r["cpu_seconds"] for r in report["ranks"])
             memory = " / ".join(f"{r['peak_mib']:.0f}" for r in report["ranks"])
-            row = f"| {seq_len:,} | {name} | {seconds:.2f} | {memory} | {report['losses'][0]:.6f} |"
+            row = f"| {seq_len:,} | {name} | {seconds:.2f} | {cpu_seconds:.2f} | {memory} | {report['losses'][0]:.6f} |"
             lines.append(row)
             print(row, flush=True)
-        lines.append(f"|  | largest relative loss difference over {args.steps} steps | {gap:.1e} | | |")
+        lines.append(f"|  | largest relative loss difference over {args.steps} steps | {gap:.1e} | | | |")
         print(lines[-1], flush=True)
     lines.append(load_report("after"))
     print(lines[-1])
