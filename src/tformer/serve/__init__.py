@@ -5,6 +5,7 @@
 - `app`: the FastAPI routes (/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics).
 - `errors`, `middleware`, `metrics`: OpenAI-shaped errors, the API-key check, Prometheus metrics.
 - `loading`: `load_engine`, the model behind an `Engine` (also used by `tformer generate`).
+- `playground`, `runs`, `static/`: the web page at `/` and its routes (/v1/translations, /v1/runs, /v1/playground).
 - `server`: `run_server`, which loads a model and runs uvicorn.
 
 The names below load on first use, so `tformer.serve.loading` comes without FastAPI and uvicorn.

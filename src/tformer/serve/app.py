@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI's /v1 routes, /health and /metrics, on top of one `AsyncEngine`.
+"""The FastAPI application: OpenAI's /v1 routes, /health and /metrics, on top of one `AsyncEngine`; the web
+playground's page and routes come from `tformer.serve.playground`.
 
 A handler validates the body, renders and tokenizes the prompt, hands the request to the engine thread and
 either streams server-sent events or waits for the whole text. A client that goes away cancels its request:

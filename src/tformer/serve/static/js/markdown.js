@@ -26,7 +26,7 @@ export function codeBlock(code, language) {
   copy.addEventListener("click", () => navigator.clipboard && navigator.clipboard.writeText(code));
   head.append(copy);
   const pre = el("pre");
-  const codeNode = el("code", language ? `language-${language}` : "", code);
+  const codeNode = el("code", language ? `language-${language}` : null, code);
   pre.append(codeNode);
   block.append(head, pre);
   return block;
@@ -41,7 +41,7 @@ export function renderInline(text, parent) {
     appendEmphasis(rest.slice(0, tick.index), parent);
     const inner = tick[2];
     const trimmed = /^ .* $/.test(inner) && inner.trim() ? inner.slice(1, -1) : inner;
-    parent.append(el("code", "", trimmed));
+    parent.append(el("code", null, trimmed));
     rest = rest.slice(tick.index + tick[0].length);
   }
   appendEmphasis(rest, parent);
@@ -57,7 +57,7 @@ function appendEmphasis(text, parent) {
     if (m[2] !== undefined) parent.append(appendEmphasisTo(el("strong"), m[2]));
     else if (m[3] !== undefined) parent.append(appendEmphasisTo(el("em"), m[3]));
     else {
-      const link = el("a", "", m[4]);
+      const link = el("a", null, m[4]);
       link.href = m[5];
       link.target = "_blank";
       link.rel = "noopener noreferrer";

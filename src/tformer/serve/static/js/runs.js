@@ -31,7 +31,7 @@ function ago(seconds) {
 function format(value) {
   if (value === 0) return "0";
   const abs = Math.abs(value);
-  if (abs >= 1e4 || abs < 1e-3) return value.toExponential(2);
+  if (abs >= 1e4 || abs < 1e-3) return value.toExponential(2).replace(/\.?0+e/, "e"); // 5.00e-4 -> 5e-4
   return Number(value.toPrecision(4)).toString();
 }
 
