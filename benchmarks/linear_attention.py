@@ -78,8 +78,9 @@ def measure_one(variant: str, length: int, args: argparse.Namespace) -> dict[str
     return {"peak_mib": (peak - before) / 1024, "seconds": median(times) if times else first}
 
 
-def favor_errors(head_dim: int, logit_std: float, length: int, seeds: int) -> list[tuple[float, float]]:
-    """(mean, std over feature draws) of the RMS error of causal FAVOR+ against softmax, per feature count.
+def favor_errors(head_dim: int, logit_std: float, length: int, seeds: int) -> tuple[float, list[tuple[float, float]]]:
+    """The RMS error of uniform causal averaging (all logits 0) against softmax, and (mean, std over feature draws)
+    of the RMS error of causal FAVOR+ against softmax, per feature count.
 
     q and k are Gaussian with standard deviation sqrt(logit_std), so q . k / sqrt(head_dim) has std logit_std;
     values are unit Gaussians, so errors are in units of their standard deviation.
@@ -90,6 +91,7 @@ def favor_errors(head_dim: int, logit_std: float, length: int, seeds: int) -> li
     scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
     scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
     reference = torch.softmax(scores, dim=-1) @ v
+    uniform = torch.softmax(scores.masked_fill(scores.isfinite(), 0.0), dim=-1) @ v  # the mean of earlier values
     rows = []
     for m in FEATURE_COUNTS:
         errors = torch.tensor(
@@ -104,7 +106,7 @@ def favor_errors(head_dim: int, logit_std: float, length: int, seeds: int) -> li
             ]
         )
         rows.append((float(errors.mean()), float(errors.std())))
-    return rows
+    return float((uniform - reference).square().mean()) ** 0.5, rows
 
 
 def print_errors(args: argparse.Namespace) -> None:
@@ -112,13 +114,13 @@ def print_errors(args: argparse.Namespace) -> None:
         f"\nRMS error of causal FAVOR+ against softmax attention ({args.error_length} tokens, 4 heads, "
         f"{args.seeds} feature draws; values ~ N(0, 1))\n"
     )
-    print("| head_dim | logit std | " + " | ".join(f"{m} features" for m in FEATURE_COUNTS) + " |")
-    print("|---|---|" + "---|" * len(FEATURE_COUNTS))
+    print("| head_dim | logit std | uniform average | " + " | ".join(f"{m} features" for m in FEATURE_COUNTS) + " |")
+    print("|---|---|---|" + "---|" * len(FEATURE_COUNTS))
     for head_dim in (16, 64):
         for logit_std in (0.25, 0.5, 1.0):
-            rows = favor_errors(head_dim, logit_std, args.error_length, args.seeds)
+            uniform, rows = favor_errors(head_dim, logit_std, args.error_length, args.seeds)
             cells = " | ".join(f"{mean:.4f} ± {std:.4f}" for mean, std in rows)
-            print(f"| {head_dim} | {logit_std} | {cells} |", flush=True)
+            print(f"| {head_dim} | {logit_std} | {uniform:.4f} | {cells} |", flush=True)
 
 
 def print_costs(args: argparse.Namespace) -> None:
