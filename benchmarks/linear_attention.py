@@ -1,7 +1,7 @@
 """Performer (FAVOR+) attention against softmax attention: error against the number of features, and time and peak
 memory of one layer's forward + backward at growing lengths.
 
-    .venv/bin/python benchmarks/linear_attention.py                     # both tables, about 3 minutes on 2 cores
+    .venv/bin/python benchmarks/linear_attention.py                     # both tables, about 6 minutes on 2 busy cores
     .venv/bin/python benchmarks/linear_attention.py --skip-errors --lengths 1024 4096
 
 Each (variant, length) runs in a fresh process, so that its peak resident memory (VmHWM, reset just before the

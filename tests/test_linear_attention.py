@@ -172,6 +172,18 @@ def test_cross_attention_ignores_padded_memory() -> None:
     assert (unmasked - real).abs().max() > 1e-3  # the padded slots would have mattered
 
 
+def test_performer_encoder_ignores_padding() -> None:
+    """An encoder (non-causal self-attention): a right-padded row gives the logits of that row alone."""
+    model = make_model(tiny_config("tiny-bert", attention="performer", performer_features=64))
+    ids = tokens(2, 12, model.config.vocab_size)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    with torch.no_grad():
+        padded = model(ids, mask)
+        alone = model(ids[1:, :8])
+    torch.testing.assert_close(padded[1:, :8], alone, rtol=1e-5, atol=1e-5)
+
+
 def test_features_are_a_seeded_buffer_outside_the_state_dict() -> None:
     """Softmax weights load into a Performer layer; redraws change outputs and are reproducible by seed."""
     config = performer_config()
