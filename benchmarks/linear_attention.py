@@ -27,8 +27,9 @@ import torch
 from common import load_report, median, set_threads
 
 from tformer import ModelConfig
-from tformer.layers.attention import Attention, AttentionMask
+from tformer.layers.attention import Attention
 from tformer.layers.linear_attention import PerformerAttention, favor_attention, orthogonal_random_features
+from tformer.layers.masks import AttentionMask
 
 FEATURE_COUNTS = (16, 64, 256, 1024)
 

@@ -222,6 +222,8 @@ def test_performer_with_alibi_or_a_sliding_window_is_a_config_error() -> None:
         tiny_config("tiny-llama", attention="performer", sliding_window=8)
     with pytest.raises(ConfigError, match="performer_features"):
         tiny_config("tiny-llama", attention="performer", performer_features=0)
+    with pytest.raises(ConfigError, match="attn_dropout"):
+        tiny_config("tiny-llama", attention="performer", attn_dropout=0.1)
 
 
 # ---- a decoder LM with attention 'performer' ---------------------------------------------------------------------

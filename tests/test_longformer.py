@@ -17,7 +17,8 @@ from conftest import make_model, tiny_config
 from tformer import ConfigError, ModelConfig, TransformerModel
 from tformer.interop.hf import DroppedWeightsWarning, from_hf, to_hf
 from tformer.interop.hf_spec import UnsupportedHFConfig
-from tformer.layers.attention import AttentionMask, repeat_kv
+from tformer.layers.attention import repeat_kv
+from tformer.layers.masks import AttentionMask
 from tformer.layers.positions import apply_rotary, make_positions
 from tformer.layers.sparse_attention import LongformerAttention
 

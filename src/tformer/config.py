@@ -274,6 +274,11 @@ class ModelConfig(ConfigBase):
                 )
             if self.performer_features < 1:
                 raise ConfigError(f"performer_features must be at least 1, got {self.performer_features}")
+            if self.attn_dropout > 0:
+                raise ConfigError(
+                    f"attention 'performer' never forms attention probabilities, so attn_dropout "
+                    f"({self.attn_dropout}) has nothing to drop; set attn_dropout: 0 (dropout still applies)"
+                )
 
     def _check_derived(self) -> None:
         if self.position == "rope" and self.head_dim % 2:

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer.config import ModelConfig
-from tformer.layers.attention import AttentionMask, repeat_kv
+from tformer.layers.attention import repeat_kv
 from tformer.layers.dropout import dropout
+from tformer.layers.masks import AttentionMask
 from tformer.layers.positions import Rotary, apply_rotary
 
 
