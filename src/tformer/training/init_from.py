@@ -25,6 +25,10 @@ from tformer.presets import PRESETS
 # ModelConfig keys that change how the model trains, not what its weights mean
 TRAINING_KEYS = ("dropout", "attn_dropout", "activation_checkpointing", "attention_backend")
 
+# ModelConfig keys that retarget RoPE to a longer context (PI, NTK, YaRN) without changing any weight's shape:
+# fine-tuning at a longer length sets them (docs/long-context.md, "Length extrapolation")
+CONTEXT_KEYS = ("rope_scaling", "rope_factor", "yarn_beta_fast", "yarn_beta_slow")
+
 # ModelConfig keys that training from scratch sets from the tokenizer, so a preset's values do not count
 TOKENIZER_KEYS = ("vocab_size", "tgt_vocab_size", "pad_token_id")
 
@@ -78,10 +82,12 @@ def check_agrees(config: ModelConfig, weights: ModelConfig, init_from: str) -> N
         ours, theirs = getattr(config, field.name), getattr(weights, field.name)
         if field.name in TRAINING_KEYS or ours == theirs:
             continue
+        if field.name in CONTEXT_KEYS and config.position == "rope":
+            continue
         raise ConfigError(
             f"model.{field.name} is {ours!r} in the recipe, but the weights in {init_from} have {theirs!r}; "
             f"with train.init_from the model comes from the weights: remove model.{field.name} from the recipe "
-            f"(only {', '.join(TRAINING_KEYS)} may differ)"
+            f"(only {', '.join(TRAINING_KEYS)} may differ, and for RoPE {', '.join(CONTEXT_KEYS)})"
         )
 
 

@@ -101,3 +101,24 @@ def plot_attention(weights: torch.Tensor, queries: list[str], keys: list[str], o
         ax.set_xticks(range(len(keys)), keys, rotation=90, fontsize=6)
         ax.set_yticks(range(len(queries)), queries, fontsize=6)
     return _save(figure, out)
+
+
+def plot_extrapolation(curves: dict[str, dict[int, float]], train_length: int, out: str | Path) -> Path:
+    """Held-out perplexity against the evaluation context length, one line per model (name -> {length: ppl}),
+    with the training length marked; both axes logarithmic, since perplexity past the training length can grow
+    by orders of magnitude."""
+    figure = _new_figure(8, 4.8)
+    ax = figure.subplots()
+    for name, points in curves.items():
+        lengths = sorted(points)
+        ax.plot(
+            lengths, [points[n] for n in lengths], marker="o", label=name, linestyle="--" if "zero" in name else "-"
+        )
+    ax.axvline(train_length, color="grey", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("evaluation context length (tokens); grey line: training length")
+    ax.set_ylabel("held-out perplexity")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left")
+    return _save(figure, out)
