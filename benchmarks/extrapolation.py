@@ -130,18 +130,18 @@ def evaluate(args: argparse.Namespace) -> None:
 
 
 def passkey_accuracy(model: TransformerModel, tokenizer: Tokenizer, n_tokens: int, seed: int) -> tuple[float, ...]:
-    """(greedy exact-match accuracy, key-preferred-over-distractor accuracy) over depths x trials; nan on error."""
+    """(greedy exact-match accuracy, digit accuracy) over depths x trials; nan when the model refuses the length."""
     rng = random.Random(seed)
-    exact = preferred = 0
+    exact = digits = total_digits = 0
     try:
         for depth in PASSKEY_DEPTHS:
             for _ in range(PASSKEY_TRIALS):
-                greedy, likelier = passkey_scores(model, passkey_example(tokenizer, n_tokens, depth, rng), 0)
-                exact, preferred = exact + greedy, preferred + likelier
+                example = passkey_example(tokenizer, n_tokens, depth, rng)
+                greedy, correct = passkey_scores(model, example)
+                exact, digits, total_digits = exact + greedy, digits + correct, total_digits + sum(example.digits)
     except RequestError:
         return (float("nan"), float("nan"))
-    trials = len(PASSKEY_DEPTHS) * PASSKEY_TRIALS
-    return (exact / trials, preferred / trials)
+    return (exact / (len(PASSKEY_DEPTHS) * PASSKEY_TRIALS), digits / total_digits)
 
 
 def report(args: argparse.Namespace, ppl: dict, passkey: dict, seconds: float) -> None:
@@ -159,8 +159,8 @@ def report(args: argparse.Namespace, ppl: dict, passkey: dict, seconds: float) -
         cells = [v if isinstance(v, str) else f"{v:.2f}" for v in (values[f] for f in args.factors)]
         print(f"| {name} | " + " | ".join(cells) + " |")
     if passkey:
-        print(f"\nPasskey: greedy exact match / key likelier than a random other key ({PASSKEY_TRIALS} trials x "
-              f"depths {', '.join(map(str, PASSKEY_DEPTHS))}; chance ~0 / 0.5)\n")  # fmt: skip
+        print(f"\nPasskey: greedy exact match / digit accuracy ({PASSKEY_TRIALS} trials x depths "
+              f"{', '.join(map(str, PASSKEY_DEPTHS))}; chance: 1e-5 / 0.10)\n")  # fmt: skip
         print(header + "\n" + rule)
         for name, values in passkey.items():
             cells = ["error" if v[0] != v[0] else f"{v[0]:.2f} / {v[1]:.2f}" for v in (values[f] for f in args.factors)]

@@ -9,7 +9,7 @@ after bos. The same target tokens are scored at every N when `start` >= the long
 
 `passkey_example` builds the passkey test (Mohtashami & Jaggi, 2023): a 5-digit key hidden at a given depth in
 repeated filler, then the question; `passkey_scores` says whether greedy decoding would return the key, and
-whether the model finds the key likelier than another random key (chance: one half).
+how many of its digits the model predicts after the true prefix (chance: one in ten).
 """
 
 from __future__ import annotations
@@ -146,51 +146,45 @@ def _same_length_batches(plan: list[Window], batch_size: int) -> list[list[Windo
 
 @dataclass
 class PasskeyExample:
-    """A passkey prompt (bos first) and the token ids of the true key's and a distractor key's answers."""
+    """A passkey prompt (bos first), the key's answer tokens and which of them are single digits."""
 
     prompt: list[int]
     answer: list[int]
-    distractor: list[int]
+    digits: list[bool]  # per answer token: is it one digit (scored by digit accuracy, chance 1/10)
     depth: float  # where the needle sits, as a fraction of the filler before it
 
 
 def passkey_example(tokenizer: Tokenizer, n_tokens: int, depth: float, rng: random.Random) -> PasskeyExample:
     """The longest passkey prompt whose prompt plus answer fit in `n_tokens`, with a random 5-digit key placed
-    after round(depth * repeats) of its filler repeats, and a different random key as the distractor."""
-    key, other = rng.sample(range(10_000, 100_000), 2)
+    after round(depth * repeats) of its filler repeats."""
+    key = rng.randrange(10_000, 100_000)
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_bos=False)
 
     intro, filler, question = encode(PASSKEY_INTRO), encode(PASSKEY_FILLER), encode(PASSKEY_QUESTION)
-    needle, answer, distractor = encode(PASSKEY_NEEDLE.format(key=key)), encode(str(key)), encode(str(other))
-    fixed = 1 + len(intro) + len(needle) + len(question) + max(len(answer), len(distractor))
+    needle, answer = encode(PASSKEY_NEEDLE.format(key=key)), encode(str(key))
+    fixed = 1 + len(intro) + len(needle) + len(question) + len(answer)
     repeats = (n_tokens - fixed) // len(filler)
     if repeats < 0:
         raise ValueError(f"{n_tokens} tokens cannot hold a passkey prompt ({fixed} tokens without filler)")
     before = round(depth * repeats)
     prompt = [tokenizer.bos_id, *intro, *filler * before, *needle, *filler * (repeats - before), *question]
-    return PasskeyExample(prompt, answer, distractor, depth)
+    digits = [len(text := tokenizer.decode([t]).strip()) == 1 and text.isdigit() for t in answer]
+    return PasskeyExample(prompt, answer, digits, depth)
 
 
 @torch.no_grad()
-def passkey_scores(model: TransformerModel, example: PasskeyExample, pad_id: int) -> tuple[bool, bool]:
-    """(greedy decoding returns the key, the key is likelier than the distractor), from one batch of two.
+def passkey_scores(model: TransformerModel, example: PasskeyExample) -> tuple[bool, int]:
+    """(greedy decoding returns the key, how many of its digit tokens are the argmax after the true prefix).
 
-    Greedy decoding returns the key exactly when every key token is the argmax after the true prefix, so a
-    teacher-forced pass decides it without generating."""
+    Greedy decoding returns the key exactly when every answer token is the argmax after the true prefix, so one
+    teacher-forced pass decides it without generating. The key's digits are uniform and independent, so a model
+    that does not read the needle gets each digit right with probability 1/10, whatever it predicts."""
     model.eval()
     device = next(model.parameters()).device
-    answers = [example.answer, example.distractor]
-    width = max(map(len, answers))
-    rows = [example.prompt + a[:-1] + [pad_id] * (width - len(a)) for a in answers]  # right padding: causal
-    logprobs = torch.log_softmax(model(torch.tensor(rows, device=device)).float(), dim=-1)  # (2, n, V)
-    at = len(example.prompt) - 1  # the position that predicts an answer's first token
-    scores, greedy = [], False
-    for row, answer in enumerate(answers):
-        positions = torch.arange(at, at + len(answer), device=device)
-        targets = torch.tensor(answer, device=device)
-        scores.append(logprobs[row, positions, targets].sum().item())
-        if row == 0:
-            greedy = bool((logprobs[row, positions].argmax(-1) == targets).all())
-    return greedy, scores[0] > scores[1]
+    inputs = torch.tensor([example.prompt + example.answer[:-1]], device=device)
+    at = len(example.prompt) - 1  # the position that predicts the answer's first token
+    predicted = model(inputs)[0, at:].argmax(-1).cpu()  # (len(answer),)
+    hits = predicted == torch.tensor(example.answer)
+    return bool(hits.all()), int(hits[torch.tensor(example.digits)].sum())
