@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from common import cpu_flags, load_report, machine_info, set_threads
+from common import load_report, machine_info, set_threads
 
 from tformer import ModelConfig, build_model
 from tformer.data import Tokenizer, bible_text
@@ -109,6 +109,7 @@ def evaluate(args: argparse.Namespace) -> None:
     print(f"test stream: {len(stream)} tokens; scoring tokens {start}..{start + args.count}", file=sys.stderr)
     ppl: dict[str, dict[int, float | str]] = {}
     passkey: dict[str, dict[int, tuple[float, float]]] = {}
+    errors: dict[str, str] = {}
     began = time.perf_counter()
     for factor in args.factors:
         n = factor * L
@@ -120,13 +121,14 @@ def evaluate(args: argparse.Namespace) -> None:
                     count=args.count, batch_size=max(1, 1024 // n),
                 )  # fmt: skip
                 ppl.setdefault(name, {})[factor] = float(torch.tensor(total / scored).exp())
-            except RequestError:
+            except RequestError as error:  # learned positions past max_seq_len
                 ppl.setdefault(name, {})[factor] = "error"
+                errors[name] = str(error)
             if args.passkey and (name in SCHEMES or "fine-tuned" in name):
                 passkey.setdefault(name, {})[factor] = passkey_accuracy(model, tokenizer, n, seed=factor)
             print(f"{name} at {n}: {ppl[name][factor]} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     seconds = time.perf_counter() - began
-    report(args, ppl, passkey, seconds)
+    report(args, ppl, passkey, errors, seconds)
 
 
 def passkey_accuracy(model: TransformerModel, tokenizer: Tokenizer, n_tokens: int, seed: int) -> tuple[float, ...]:
@@ -144,13 +146,13 @@ def passkey_accuracy(model: TransformerModel, tokenizer: Tokenizer, n_tokens: in
     return (exact / (len(PASSKEY_DEPTHS) * PASSKEY_TRIALS), digits / total_digits)
 
 
-def report(args: argparse.Namespace, ppl: dict, passkey: dict, seconds: float) -> None:
+def report(args: argparse.Namespace, ppl: dict, passkey: dict, errors: dict, seconds: float) -> None:
     L = args.length
     header = "| | " + " | ".join(f"{f} x L ({f * L})" for f in args.factors) + " |"
     rule = "|---|" + "---:|" * len(args.factors)
     print(f"# Length extrapolation, {datetime.date.today()}\n")
     print(f"command: {' '.join(sys.argv)}")
-    print(f"machine: {machine_info()}; cpu flags: {cpu_flags()}")
+    print(f"machine: {machine_info()}")
     print(load_report("after"))
     print(f"evaluation time: {seconds:.0f} s\n")
     print("Held-out perplexity (test books, sliding window, stride N/8)\n")
@@ -158,15 +160,21 @@ def report(args: argparse.Namespace, ppl: dict, passkey: dict, seconds: float) -
     for name, values in ppl.items():
         cells = [v if isinstance(v, str) else f"{v:.2f}" for v in (values[f] for f in args.factors)]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    for name, message in errors.items():
+        print(f"\n{name}: error = RequestError: {message}")
     if passkey:
         print(f"\nPasskey: greedy exact match / digit accuracy ({PASSKEY_TRIALS} trials x depths "
-              f"{', '.join(map(str, PASSKEY_DEPTHS))}; chance: 1e-5 / 0.10)\n")  # fmt: skip
+              f"{', '.join(map(str, PASSKEY_DEPTHS))}; chance: 1e-5 / at most 0.10)\n")  # fmt: skip
         print(header + "\n" + rule)
         for name, values in passkey.items():
             cells = ["error" if v[0] != v[0] else f"{v[0]:.2f} / {v[1]:.2f}" for v in (values[f] for f in args.factors)]
             print(f"| {name} | " + " | ".join(cells) + " |")
     if args.json:
-        args.json.write_text(json.dumps({"length": L, "factors": args.factors, "ppl": ppl, "passkey": passkey}))
+        args.json.write_text(
+            json.dumps(
+                {"length": L, "factors": args.factors, "ppl": ppl, "passkey": passkey, "errors": errors}, indent=1
+            )
+        )
     if args.plot:
         plot(ppl, L, args.factors, args.plot)
 

@@ -9,7 +9,7 @@ after bos. The same target tokens are scored at every N when `start` >= the long
 
 `passkey_example` builds the passkey test (Mohtashami & Jaggi, 2023): a 5-digit key hidden at a given depth in
 repeated filler, then the question; `passkey_scores` says whether greedy decoding would return the key, and
-how many of its digits the model predicts after the true prefix (chance: one in ten).
+how many of its digits the model predicts after the true prefix (a model that ignores the needle: at most one in ten).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class PasskeyExample:
 
     prompt: list[int]
     answer: list[int]
-    digits: list[bool]  # per answer token: is it one digit (scored by digit accuracy, chance 1/10)
+    digits: list[bool]  # per answer token: is it one digit (scored by digit accuracy, at most 1/10 by chance)
     depth: float  # where the needle sits, as a fraction of the filler before it
 
 
@@ -180,7 +180,8 @@ def passkey_scores(model: TransformerModel, example: PasskeyExample) -> tuple[bo
 
     Greedy decoding returns the key exactly when every answer token is the argmax after the true prefix, so one
     teacher-forced pass decides it without generating. The key's digits are uniform and independent, so a model
-    that does not read the needle gets each digit right with probability 1/10, whatever it predicts."""
+    that does not read the needle gets each digit right with probability 1/10 if it always predicts a digit,
+    and less otherwise."""
     model.eval()
     device = next(model.parameters()).device
     inputs = torch.tensor([example.prompt + example.answer[:-1]], device=device)
