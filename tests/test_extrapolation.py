@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from conftest import make_model, tiny_config
+from helpers import assert_png
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import Tokenizer
@@ -21,6 +22,7 @@ from tformer.training.extrapolation import (
     sliding_window_nll,
 )
 from tformer.training.init_from import check_agrees
+from tformer.viz.plots import plot_extrapolation
 
 BOS = 1
 SCHEMES = ("sinusoidal", "rope", "alibi")
@@ -136,3 +138,8 @@ def test_init_from_accepts_rope_scaling_for_a_longer_context_and_nothing_else() 
         )
     with pytest.raises(ConfigError, match="model.rope_theta"):
         check_agrees(ModelConfig.from_dict({**weights.to_dict(), "rope_theta": 500.0}), weights, "w")
+
+
+def test_plot_extrapolation_draws_every_curve(tmp_path) -> None:
+    curves = {"alibi": {128: 90.0, 256: 85.0, 4096: 84.0}, "rope + PI, zero-shot": {128: 90.0, 256: 120.0}}
+    assert_png(plot_extrapolation(curves, 128, tmp_path / "extrapolation.png"))
