@@ -86,22 +86,25 @@ def test_chunked_attention_equals_the_dense_reference(
     assert torch.isfinite(chunked).all()
 
 
-MODEL_CASES = {
-    "decoder, alibi, window, padding": ("tiny-llama", dict(position="alibi", sliding_window=24)),
-    "decoder, rope, padding": ("tiny-llama", {}),
-    "encoder, learned, padding": ("tiny-bert", {}),
-    "encoder-decoder, sinusoidal": ("tiny-transformer", {}),
+MODEL_CASES = {  # preset, config overrides, left padding too (right padding alone takes SDPA's causal kernel)
+    "decoder, alibi, window, padding": ("tiny-llama", dict(position="alibi", sliding_window=24), False),
+    "decoder, rope, right padding": ("tiny-llama", {}, False),
+    "decoder, rope, left padding": ("tiny-llama", {}, True),
+    "encoder, learned, padding": ("tiny-bert", {}, True),
+    "encoder-decoder, sinusoidal": ("tiny-transformer", {}, False),
 }
 
 
 @pytest.mark.parametrize("case", MODEL_CASES)
 def test_a_model_gives_the_same_outputs_with_chunked_attention(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole model with the dense bias (short inputs) and with blocks of 16 queries agree within 1e-5."""
-    preset, overrides = MODEL_CASES[case]
+    preset, overrides, left_padding = MODEL_CASES[case]
     model = make_model(tiny_config(preset, max_seq_len=64, **overrides))
     ids = tokens(2, 40, model.config.vocab_size)
     padding = torch.ones(2, 40, dtype=torch.long)
     padding[1, 33:] = 0
+    if left_padding:
+        padding[0, :5] = 0
     args = (ids, ids[:, :30], padding, padding[:, :30]) if model.config.family == "encoder-decoder" else (ids, padding)
     with torch.no_grad():
         dense = model(*args)

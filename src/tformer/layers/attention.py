@@ -48,7 +48,7 @@ def sdpa_attention(
     kernel is as fast or faster at every length, so fp32 keeps it.
     """
     if mask.bias is None and mask.needs_bias(q.shape[2], k.shape[2]):
-        return chunked_attention(q, k, v, mask, dropout_p), None
+        return long_attention(q, k, v, mask, dropout_p), None
     low_precision = q.dtype in (torch.bfloat16, torch.float16)
     on_cpu = q.device.type == "cpu"
     if q.shape[2] == 1 and q.shape[0] > 1 and on_cpu and low_precision and not dropout_p:
@@ -63,6 +63,29 @@ def sdpa_attention(
 
 
 QUERY_BLOCK = 512  # queries per block of chunked_attention
+
+
+def long_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float
+) -> torch.Tensor:
+    """Attention over too many query-key pairs for a dense bias, in memory linear in the length.
+
+    Padding alone needs no blocks: a bidirectional layer passes SDPA a (B, 1, 1, Tk) bias, and a causal one over
+    right-padded rows needs no padding rule at all (a real token's earlier keys are all real; the padding
+    queries' outputs are never read), so SDPA's causal kernel runs. Anything else goes through chunked_attention.
+    """
+    n_queries, n_keys = q.shape[2], k.shape[2]
+    padding = mask.key_padding
+    other_rules = (mask.window, mask.query_slots, mask.prefix_lengths, mask.position_bias)
+    if padding is not None and all(rule is None for rule in other_rules):
+        gqa = k.shape[1] != q.shape[1]
+        if not mask.is_causal:
+            bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~padding, torch.finfo(q.dtype).min)
+            bias = bias[:, None, None, :]  # (B, 1, 1, Tk): a fully padded row gets uniform weights, not NaN
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, enable_gqa=gqa)
+        if n_queries == n_keys and bool((padding[:, 1:] <= padding[:, :-1]).all()):  # right padding only
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+    return chunked_attention(q, k, v, mask, dropout_p)
 
 
 def chunked_attention(
