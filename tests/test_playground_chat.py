@@ -303,14 +303,21 @@ def test_bad_input_and_server_errors_show_as_messages(page, chat, reference) -> 
     assert not errors
 
 
-def test_the_server_binds_loopback_and_serves_the_page_from_its_own_files(chat) -> None:
+def test_the_server_binds_loopback_and_the_page_loads_only_its_own_files(page, chat) -> None:
+    """(A browser test like the others: pytest-playwright groups those, and a plain test here would run after the
+    next module, starting this module's server a second time.)"""
     assert listening_addresses(chat.port) == {"127.0.0.1"}
-    page = httpx.get(chat.url)
-    assert page.status_code == 200 and "default-src 'self'" in page.headers["content-security-policy"]
+    loaded: list[str] = []
+    page.on("requestfinished", lambda r: loaded.append(r.url))
+    response = page.goto(chat.url)
+    page.wait_for_selector("#view-chat")
+    assert "default-src 'self'" in response.headers["content-security-policy"]
     static = Path(__file__).parents[1] / "src/tformer/serve/static"
-    files = sorted(p for p in static.rglob("*") if p.is_file())
-    assert {p.suffix for p in files} == {".html", ".css", ".js"}
-    for path in files:
-        text = path.read_text()
-        assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", text), f"{path.name} names another origin"
-        assert httpx.get(f"{chat.url}/static/{path.relative_to(static).as_posix()}").text == text
+    files = sorted(p.relative_to(static).as_posix() for p in static.rglob("*") if p.is_file())
+    assert {Path(f).suffix for f in files} == {".html", ".css", ".js"}
+    for name in files:
+        text = (static / name).read_text()
+        assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", text), f"{name} names another origin"
+    served = {url.removeprefix(f"{chat.url}/static/") for url in loaded if url.startswith(f"{chat.url}/static/")}
+    assert served == set(files) - {"index.html"}  # every file the page needs, from this server
+    assert set(loaded) - {f"{chat.url}/static/{f}" for f in files} == {f"{chat.url}/", f"{chat.url}/v1/playground"}

@@ -17,6 +17,17 @@ const CHARTS = [
   { kind: "dev_ppl", key: "dev_ppl", title: "dev perplexity", dots: true },
 ];
 
+// Math.min / Math.max over an array of any length (spreading 100,000 arguments overflows the stack)
+function extent(values) {
+  let lo = Infinity;
+  let hi = -Infinity;
+  for (const v of values) {
+    if (v < lo) lo = v;
+    if (v > hi) hi = v;
+  }
+  return [lo, hi];
+}
+
 function kindOf(record) {
   return ["dev_bleu", "dev_ppl", "loss"].find((key) => key in record) || null;
 }
@@ -133,7 +144,7 @@ export class RunsView {
       const grew = answer.records.length > 0 || answer.reset || run.offset === 0;
       run.offset = answer.offset;
       const state = answer.running ? "running" : "finished or stopped";
-      const last = run.byKind.loss ? Math.max(...run.byKind.loss.keys()) : null;
+      const last = run.byKind.loss ? extent(run.byKind.loss.keys())[1] : null;
       $("run-status").textContent =
         `${state}: metrics.jsonl updated ${ago(Date.now() / 1000 - answer.updated)}` +
         (last !== null ? `, last logged step ${last}` : "") +
@@ -189,8 +200,8 @@ function chart(spec, points) {
   const m = { left: 62, right: 24, top: 10, bottom: 28 };
   const xs = points.map((p) => p[0]);
   const ys = points.map((p) => p[1]);
-  let [x0, x1] = [Math.min(...xs), Math.max(...xs)];
-  let [y0, y1] = [Math.min(...ys), Math.max(...ys)];
+  let [x0, x1] = extent(xs);
+  let [y0, y1] = extent(ys);
   if (x0 === x1) [x0, x1] = [x0 - 1, x1 + 1];
   if (y0 === y1) [y0, y1] = [y0 - Math.abs(y0 || 1) * 0.1, y1 + Math.abs(y1 || 1) * 0.1];
   const pad = (y1 - y0) * 0.05;

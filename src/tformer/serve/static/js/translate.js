@@ -93,7 +93,7 @@ export class TranslateView {
     if (!this.result) return;
     const { attention, source_tokens: source, output_tokens: output } = this.result;
     const map = selectMap(attention, $("layer").value, $("head").value);
-    const top = Math.max(...map.flat(), 1e-9);
+    const top = map.flat().reduce((a, b) => Math.max(a, b), 1e-9);
     $("map-scale").textContent = `colour: 0 (dark) to ${top.toFixed(3)} (yellow), the largest weight shown`;
     const table = document.createElement("table");
     table.className = "heatmap";
