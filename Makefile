@@ -23,7 +23,7 @@ $(CHROMIUM):
 	  "The browser tests (tests/test_playground_chat.py, tests/test_playground_views.py) need it." \
 	  "Install it as root with 'apt-get install -y chromium', then run make again." >&2; exit 1; }
 
-setup: $(BIN)/.installed $(CHROMIUM)
+setup: $(BIN)/.installed
 
 main: setup
 	$(BIN)/tformer train configs/en-de-10min.yaml
@@ -40,7 +40,7 @@ format: setup
 	$(BIN)/ruff check --fix src tests benchmarks
 	$(BIN)/ruff format src tests benchmarks
 
-test: setup lint
+test: setup $(CHROMIUM) lint
 	$(BIN)/python -m pytest
 
 clean:
