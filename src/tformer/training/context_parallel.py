@@ -11,8 +11,7 @@ torch's own context parallelism (CUDA kernels only) does not.
 
 Training: `train.context_parallel: N` under `torchrun --nproc-per-node N`. Every rank reads the same batches, takes
 its zigzag shard of each sequence (`shard_lm_batch`) and feeds the model its tokens' global positions; the loss is
-summed over all ranks' tokens and divided by their global count, and gradients are all-reduced (DDP) because every
-rank holds the whole model.
+summed over all ranks' tokens and divided by their global count; gradients are all-reduced (DDP): each has the model.
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import IGNORE_INDEX, LMBatch
-from tformer.layers.attention import Attention, AttentionMask, repeat_kv
+from tformer.layers.attention import Attention, repeat_kv
+from tformer.layers.masks import AttentionMask
 from tformer.models.stack import TransformerStack
 
 KV_TAG, GRAD_KV_TAG = 1, 2  # keys/values and their gradients can be in flight between the same two ranks at once
