@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -103,9 +104,9 @@ def test_passkey_scores_agree_with_greedy_decoding() -> None:
             decoded.append(int(model(torch.tensor([sequence]))[0, -1].argmax()))
             sequence.append(decoded[-1])
     # the greedy continuation itself is retrieved; changing its third token breaks it from there on
-    assert passkey_scores(model, PasskeyExample(prompt, decoded, [True] * 4, 0.5)) == (True, 4)
+    assert passkey_scores(model, PasskeyExample(prompt, decoded, [True] * 4, 0.5)) == (True, 4, 0)
     wrong = [*decoded[:2], (decoded[2] + 1) % 50, decoded[3]]
-    greedy, correct = passkey_scores(model, PasskeyExample(prompt, wrong, [True, True, True, False], 0.5))
+    greedy, correct, _ = passkey_scores(model, PasskeyExample(prompt, wrong, [True, True, True, False], 0.5))
     assert not greedy
     assert correct == 2  # the first two, not the changed one; the fourth is not a digit
     # digits are counted after the true prefix: the fourth token is scored after `wrong`'s third
@@ -114,6 +115,23 @@ def test_passkey_scores_agree_with_greedy_decoding() -> None:
     assert passkey_scores(model, PasskeyExample(prompt, wrong, [False, False, False, True], 0.5))[1] == int(
         fourth == wrong[3]
     )
+
+
+def test_passkey_digit_choice_is_the_likeliest_of_the_ten_digits() -> None:
+    model, digit_ids = _model("rope"), list(range(20, 30))  # tokens 20..29 stand for the digits 0..9
+    prompt = [BOS, *range(5, 25)]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + [21, 22]]))[0, len(prompt) - 1 :]  # predicting 3 answer tokens
+    best = [digit_ids[int(row[digit_ids].argmax())] for row in logits]
+    for answer in ([21, 22, 23], best):
+        example = PasskeyExample(prompt, answer, [True, True, True], 0.5, digit_ids)
+        _, _, among = passkey_scores(model, replace(example, answer=answer))
+        expected = sum(
+            int(model(torch.tensor([prompt + answer[:i]]))[0, -1][digit_ids].argmax()) == answer[i] - 20
+            for i in range(3)
+        )
+        assert among == expected
+    assert passkey_scores(model, PasskeyExample(prompt, best, [True] * 3, 0.5, digit_ids))[2] >= 1
 
 
 def test_passkey_example_fits_its_length_and_places_the_needle() -> None:

@@ -152,6 +152,7 @@ class PasskeyExample:
     answer: list[int]
     digits: list[bool]  # per answer token: is it one digit (scored by digit accuracy, at most 1/10 by chance)
     depth: float  # where the needle sits, as a fraction of the filler before it
+    digit_ids: list[int] | None = None  # the ten single-digit tokens, 0-9, when the vocabulary has them all
 
 
 def passkey_example(tokenizer: Tokenizer, n_tokens: int, depth: float, rng: random.Random) -> PasskeyExample:
@@ -171,21 +172,29 @@ def passkey_example(tokenizer: Tokenizer, n_tokens: int, depth: float, rng: rand
     before = round(depth * repeats)
     prompt = [tokenizer.bos_id, *intro, *filler * before, *needle, *filler * (repeats - before), *question]
     digits = [len(text := tokenizer.decode([t]).strip()) == 1 and text.isdigit() for t in answer]
-    return PasskeyExample(prompt, answer, digits, depth)
+    digit_ids = [tokenizer.token_to_id(str(d)) for d in range(10)]
+    return PasskeyExample(prompt, answer, digits, depth, None if None in digit_ids else digit_ids)
 
 
 @torch.no_grad()
-def passkey_scores(model: TransformerModel, example: PasskeyExample) -> tuple[bool, int]:
-    """(greedy decoding returns the key, how many of its digit tokens are the argmax after the true prefix).
+def passkey_scores(model: TransformerModel, example: PasskeyExample) -> tuple[bool, int, int]:
+    """(greedy decoding returns the key, how many of its digit tokens are the argmax after the true prefix, how
+    many are the likeliest of the ten digits there).
 
     Greedy decoding returns the key exactly when every answer token is the argmax after the true prefix, so one
     teacher-forced pass decides it without generating. The key's digits are uniform and independent, so a model
     that does not read the needle gets each digit right with probability 1/10 if it always predicts a digit,
-    and less otherwise."""
+    and less otherwise; choosing among the ten digits only, it gets exactly 1/10 in expectation, so that score
+    shows whether the needle moves the model's choice of digit even when it would rather write a word."""
     model.eval()
     device = next(model.parameters()).device
     inputs = torch.tensor([example.prompt + example.answer[:-1]], device=device)
     at = len(example.prompt) - 1  # the position that predicts the answer's first token
-    predicted = model(inputs)[0, at:].argmax(-1).cpu()  # (len(answer),)
-    hits = predicted == torch.tensor(example.answer)
-    return bool(hits.all()), int(hits[torch.tensor(example.digits)].sum())
+    logits = model(inputs)[0, at:].cpu()  # (len(answer), V)
+    answer, digits = torch.tensor(example.answer), torch.tensor(example.digits)
+    hits = logits.argmax(-1) == answer
+    among_digits = 0
+    if example.digit_ids is not None:
+        choices = torch.tensor(example.digit_ids)
+        among_digits = int((choices[logits[:, choices].argmax(-1)] == answer)[digits].sum())
+    return bool(hits.all()), int(hits[digits].sum()), among_digits
