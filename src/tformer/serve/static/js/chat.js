@@ -200,11 +200,14 @@ export class ChatView {
   }
 
   draw(view, text) {
+    const box = $("messages");
+    const following = box.scrollHeight - box.scrollTop - box.clientHeight < 40; // the reader is at the newest text
     view.root.dataset.text = text;
     const raw = $("raw").checked;
     view.content.classList.toggle("raw", raw);
     if (raw) view.content.textContent = text;
     else renderMarkdown(text, view.content);
+    if (following) box.scrollTop = box.scrollHeight;
   }
 
   redraw() {
