@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,26 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 WORDS = "zero one two three four five six seven eight nine".split()
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny tensors: threads only contend on a busy machine
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """The command that runs `args` (a script or `-m module ...`) on `nproc` local ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def run_processes(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Runs `command` in its own process group with ENV; past `timeout` seconds the whole group is killed
+    (torchrun's workers too, which a plain subprocess timeout would leave running) and the test fails."""
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            _, stderr = process.communicate()
+            raise AssertionError(f"timed out after {timeout} s: {' '.join(command)}\n{stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def write_corpus(path: Path, n: int = 200) -> Path:

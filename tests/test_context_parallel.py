@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from helpers import ENV, WORDS
+from helpers import WORDS, run_processes, torchrun
 from safetensors.torch import load_file
 
 from tformer.config import ConfigError, ModelConfig
@@ -39,10 +38,6 @@ WEIGHT_TOLERANCE = 1e-5
 STEPS = 6
 
 
-def torchrun(nproc: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-
-
 def losses(run_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
@@ -52,7 +47,7 @@ def test_ring_attention_equals_full_attention_on_2_and_4_ranks(tmp_path: Path) -
     """One launch of 4 processes (each start costs seconds on 2 cores): rings of ranks 0-1 and of all 4."""
     out = tmp_path / "report.json"
     worker = Path(__file__).with_name("cp_worker.py")
-    result = subprocess.run(torchrun(4, str(worker), str(out)), capture_output=True, text=True, env=ENV, timeout=300)
+    result = run_processes(torchrun(4, str(worker), str(out)))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert len(report) == 2 * 11  # on 2 and 4 ranks: 4 kernel cases x 2 block kernels, 3 models
@@ -68,7 +63,7 @@ def test_the_two_rank_loss_curve_equals_one_process(tmp_path: Path) -> None:
         run_dir = tmp_path / f"cp{ranks}"
         args = ["-m", "tformer", "train", str(recipe), f"train.out_dir={run_dir}", f"train.context_parallel={ranks}"]
         command = [sys.executable, *args] if ranks == 1 else torchrun(ranks, *args)
-        result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
+        result = run_processes(command)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[ranks] = losses(run_dir)
         weights[ranks] = load_file(checkpoint_dir(run_dir, STEPS) / WEIGHTS_FILE)

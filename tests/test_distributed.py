@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import free_port
-from helpers import write_recipe
+from helpers import run_processes, torchrun, write_recipe
 from safetensors.torch import load_file
 
 from tformer.config import ConfigError
@@ -38,15 +38,11 @@ LOSS_TOLERANCE = 1e-5  # relative; measured differences are below 1e-7 (summatio
 WEIGHT_TOLERANCE = 1e-5
 
 
-def torchrun(nproc: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-
-
 def train(recipe: Path, out_dir: Path, nproc: int = 1, *overrides: str) -> subprocess.CompletedProcess:
     """`tformer train` in one process, or under torchrun with `nproc` ranks."""
     args = ["-m", "tformer", "train", str(recipe), f"train.out_dir={out_dir}", *NO_DROPOUT, *overrides]
     command = [sys.executable, *args] if nproc == 1 else torchrun(nproc, *args)
-    result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
+    result = run_processes(command)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -154,7 +150,7 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(strategy: str, recipe: Pa
 def test_tensor_parallel_logits_and_gradients_equal_the_unsharded_model(tmp_path: Path) -> None:
     out = tmp_path / "tp.json"
     worker = Path(__file__).with_name("tp_worker.py")
-    result = subprocess.run(torchrun(2, str(worker), str(out)), capture_output=True, text=True, env=ENV, timeout=300)
+    result = run_processes(torchrun(2, str(worker), str(out)))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert len(report) == 5
