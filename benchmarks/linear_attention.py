@@ -17,11 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 from common import load_report, median, set_threads
@@ -30,15 +28,9 @@ from tformer import ModelConfig
 from tformer.layers.attention import Attention
 from tformer.layers.linear_attention import PerformerAttention, favor_attention, orthogonal_random_features
 from tformer.layers.masks import AttentionMask
+from tformer.training.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 FEATURE_COUNTS = (16, 64, 256, 1024)
-
-
-def resident_kib() -> tuple[int, int]:
-    """(current, peak) resident memory of this process in KiB, from /proc/self/status."""
-    status = Path("/proc/self/status").read_text()
-    field = lambda name: int(re.search(rf"{name}:\s+(\d+)", status).group(1))  # noqa: E731
-    return field("VmRSS"), field("VmHWM")
 
 
 def measure_one(variant: str, length: int, args: argparse.Namespace) -> dict[str, float]:
@@ -65,18 +57,18 @@ def measure_one(variant: str, length: int, args: argparse.Namespace) -> dict[str
         x.grad = None
         layer.zero_grad(set_to_none=True)
 
-    before, _ = resident_kib()
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+    before = rss_bytes()
+    reset_peak_rss()
     start = time.perf_counter()
     step()
     first = time.perf_counter() - start
-    peak = resident_kib()[1]
+    peak = peak_rss_bytes()
     times = []
     for _ in range(args.repeats - 1):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return {"peak_mib": (peak - before) / 1024, "seconds": median(times) if times else first}
+    return {"peak_mib": (peak - before) / 2**20, "seconds": median(times) if times else first}
 
 
 def favor_errors(head_dim: int, logit_std: float, length: int, seeds: int) -> tuple[float, list[tuple[float, float]]]:

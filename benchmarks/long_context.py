@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 from common import cpu_flags, load_report, median, set_threads
 
 from tformer import ModelConfig, build_model
 from tformer.layers import masks
+from tformer.training.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 SCHEMES = {  # name -> ModelConfig overrides
     "sinusoidal": dict(position="sinusoidal"),
@@ -37,12 +36,6 @@ SCHEMES = {  # name -> ModelConfig overrides
     "alibi": dict(position="alibi"),
     "rope + window 1024": dict(position="rope", sliding_window=1024),
 }
-
-
-def resident_kib() -> tuple[int, int]:
-    """(current, peak) resident memory of this process in KiB."""
-    status = Path("/proc/self/status").read_text()
-    return tuple(int(re.search(rf"{name}:\s+(\d+)", status).group(1)) for name in ("VmRSS", "VmHWM"))
 
 
 def measure_one(scheme: str, variant: str, length: int, repeats: int) -> dict[str, float]:
@@ -71,14 +64,14 @@ def measure_one(scheme: str, variant: str, length: int, repeats: int) -> dict[st
         model(ids, padding).logsumexp(-1).mean().backward()
         model.zero_grad(set_to_none=True)
 
-    before = resident_kib()[0]
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current resident size
+    before = rss_bytes()
+    reset_peak_rss()
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return {"peak_mib": (resident_kib()[1] - before) / 1024, "seconds": median(times[1:])}
+    return {"peak_mib": (peak_rss_bytes() - before) / 2**20, "seconds": median(times[1:])}
 
 
 def dense_bias_gib(scheme: str, length: int) -> float:
