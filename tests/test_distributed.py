@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import free_port
-from helpers import run_processes, torchrun, write_recipe
+from helpers import ENV, run_processes, torchrun, write_recipe
 from safetensors.torch import load_file
 
 from tformer.config import ConfigError
@@ -31,7 +31,6 @@ from tformer.training.checkpoint import checkpoint_dir, list_checkpoints
 from tformer.training.distributed import init_distributed, shard_tensor_parallel
 from tformer.training.sharded import SHARDED_DIR, load_sharded
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 STEPS, RESUME_AT = 8, 4
 NO_DROPOUT = ("model.dropout=0", "model.attn_dropout=0")
 LOSS_TOLERANCE = 1e-5  # relative; measured differences are below 1e-7 (summation order of the reductions)
