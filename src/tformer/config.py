@@ -26,7 +26,9 @@ NORM_PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 ATTENTION_BACKEND_NAMES = ("sdpa", "math")
 ATTENTION_NAMES = ("softmax", "longformer", "performer")
 INIT_NAMES = ("xavier", "gpt2", "normal")
-ENCODER_HEAD_NAMES = ("mlm", "none")
+ENCODER_HEAD_NAMES = ("mlm", "none", "sequence-classification", "token-classification")
+# the encoder heads that take num_labels (a frozenset, not a tuple: test_registries pairs every name tuple)
+CLASSIFICATION_HEADS = frozenset({"sequence-classification", "token-classification"})
 
 
 class ConfigBase:
@@ -149,6 +151,8 @@ class ModelConfig(ConfigBase):
     share_embeddings: bool = True  # encoder-decoder: source and target share one embedding
     lm_head_bias: bool = False
     encoder_head: str = "mlm"  # family 'encoder': "mlm" outputs vocabulary logits, "none" the hidden states
+    num_labels: int | None = None  # classification heads: the number of classes (models/heads.py)
+    label_names: list[str] | None = None  # classification heads, optional: the name of each class, in id order
 
     # attention
     sliding_window: int | None = None
@@ -305,6 +309,28 @@ class ModelConfig(ConfigBase):
             )
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ConfigError(f"pad_token_id ({self.pad_token_id}) must be a token id below vocab_size")
+        self._check_labels()
+
+    def _check_labels(self) -> None:
+        if self.encoder_head not in CLASSIFICATION_HEADS:
+            if self.num_labels is not None or self.label_names is not None:
+                raise ConfigError(
+                    f"num_labels and label_names apply to the classification heads, but encoder_head is "
+                    f"'{self.encoder_head}'; remove them or set encoder_head to one of "
+                    f"{', '.join(sorted(CLASSIFICATION_HEADS))}"
+                )
+            return
+        if self.num_labels is None or self.num_labels < 1:
+            raise ConfigError(
+                f"encoder_head '{self.encoder_head}' needs num_labels, the number of classes (at least 1), got "
+                f"{self.num_labels}; set model.num_labels"
+            )
+        if self.label_names is not None and (
+            len(self.label_names) != self.num_labels or not all(isinstance(n, str) for n in self.label_names)
+        ):
+            raise ConfigError(
+                f"label_names must be {self.num_labels} strings (one per class, num_labels), got {self.label_names!r}"
+            )
 
     # ---- construction -------------------------------------------------------------------
     section = "model"

@@ -1,7 +1,8 @@
 """Import and export of local Hugging Face model directories: config.json plus safetensors weights.
 
-`from_hf(path)` reads GPT-2, LLaMA, Mistral, BERT and Longformer (masked LM or bare encoder), BART and Marian
-checkpoints, in one model.safetensors or in shards listed by model.safetensors.index.json, into a tformer model.
+`from_hf(path)` reads GPT-2, LLaMA, Mistral, BERT (masked LM, bare encoder, sequence or token classifier),
+Longformer (masked LM or bare encoder), BART and Marian checkpoints, in one model.safetensors or in shards listed
+by model.safetensors.index.json, into a tformer model.
 `to_hf(model, path)` writes a directory that `transformers.AutoModel*.from_pretrained` loads. What each architecture
 means is data in `hf_decoders`, `hf_encoders` and `hf_longformer`; this module reads and writes files and checks them.
 
@@ -24,7 +25,7 @@ from safetensors.torch import save_file
 from tformer.config import ConfigError, ModelConfig
 from tformer.files import read_mapping, write_atomically
 from tformer.interop.hf_decoders import GPT2, GPT2_BARE, LLAMA, MISTRAL
-from tformer.interop.hf_encoders import BART, BERT_MLM, BERT_MODEL, MARIAN
+from tformer.interop.hf_encoders import BART, BERT_MLM, BERT_MODEL, BERT_SEQUENCE, BERT_TOKEN, MARIAN
 from tformer.interop.hf_files import WEIGHTS, WEIGHTS_INDEX, Weights, listed, open_weights
 from tformer.interop.hf_longformer import LONGFORMER_MLM, LONGFORMER_MODEL
 from tformer.interop.hf_spec import COPY, SAME, Entry, Family, HFFields, Table, Transform, UnsupportedHFConfig
@@ -58,6 +59,8 @@ FAMILIES: dict[str, Family] = {
         MISTRAL,
         BERT_MLM,
         BERT_MODEL,
+        BERT_SEQUENCE,
+        BERT_TOKEN,
         LONGFORMER_MLM,
         LONGFORMER_MODEL,
         BART,
@@ -77,7 +80,14 @@ MODEL_TYPES: dict[str, str] = {
 # what `to_hf` tries, in order, for each tformer family: the first that holds the config exactly is written
 EXPORTS: dict[str, tuple[str, ...]] = {
     "decoder": ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM"),
-    "encoder": ("BertForMaskedLM", "BertModel", "LongformerForMaskedLM", "LongformerModel"),
+    "encoder": (
+        "BertForMaskedLM",
+        "BertModel",
+        "BertForSequenceClassification",
+        "BertForTokenClassification",
+        "LongformerForMaskedLM",
+        "LongformerModel",
+    ),
     "encoder-decoder": ("BartForConditionalGeneration", "MarianMTModel"),
 }
 

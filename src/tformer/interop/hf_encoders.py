@@ -148,6 +148,50 @@ BERT_MODEL = Family(
     loose=("n_decoder_layers",),
 )
 
+# BertForSequenceClassification and BertForTokenClassification: the base model under bert., a task head on top
+BERT_SEQUENCE_HEAD: Table = {
+    **weight_bias("bert.pooler.dense", "task_head.pooler"),
+    **weight_bias("classifier", "task_head.classifier"),
+}
+BERT_TOKEN_HEAD: Table = weight_bias("classifier", "task_head.classifier")
+
+
+def _labels_in(hf: HFFields) -> dict[str, Any]:
+    """num_labels and label_names from config.json's id2label (transformers' default: 2 labels LABEL_0, LABEL_1)."""
+    id2label = hf.get("id2label") or {}
+    names = [str(id2label[key]) for key in sorted(id2label, key=int)] or None
+    count = len(names) if names else hf.get("num_labels", 2)
+    default = [f"LABEL_{i}" for i in range(count)]
+    return {"num_labels": count, "label_names": None if names == default else names}
+
+
+def _labels_out(config: ModelConfig) -> dict[str, Any]:
+    names = config.label_names or [f"LABEL_{i}" for i in range(config.num_labels)]
+    return {"id2label": dict(enumerate(names)), "label2id": {name: i for i, name in enumerate(names)}}
+
+
+def _bert_classifier(architecture: str, head: str, table: Table) -> Family:
+    return Family(
+        architecture,
+        "bert",
+        {**BERT_FIXED, "encoder_head": head},
+        BERT_RENAMES,
+        BERT_DEFAULTS,
+        lambda hf: {**_bert_in(hf), **_labels_in(hf)},
+        lambda config: {**_bert_out(config), **_labels_out(config)},
+        lambda config: (_bert_base(config), table),
+        prefixes=("bert.",),
+        required=BERT_REQUIRED,
+        ignored=BERT_IGNORED,
+        dropped=("bert.pooler.dense.*",) if head == "token-classification" else (),
+        dropped_note=POOLER_NOTE,
+        loose=("n_decoder_layers",),
+    )
+
+
+BERT_SEQUENCE = _bert_classifier("BertForSequenceClassification", "sequence-classification", BERT_SEQUENCE_HEAD)
+BERT_TOKEN = _bert_classifier("BertForTokenClassification", "token-classification", BERT_TOKEN_HEAD)
+
 # ---- BART and Marian ------------------------------------------------------------------------------------------------
 
 SEQ2SEQ_FIXED = {

@@ -10,6 +10,7 @@ from tformer.layers import make_norm
 from tformer.layers.ffn import ACTIVATIONS
 from tformer.layers.kv_cache import LayerCache
 from tformer.models.base import TransformerModel
+from tformer.models.heads import TASK_HEADS
 from tformer.models.stack import StackInputs, TransformerStack
 
 
@@ -122,17 +123,22 @@ class MLMHead(nn.Module):
 
 
 # what an encoder puts on top of its hidden states; nn.Identity ignores the (config, tokens) arguments
-ENCODER_HEADS: dict[str, type[nn.Module]] = {"mlm": MLMHead, "none": nn.Identity}
+ENCODER_HEADS: dict[str, type[nn.Module]] = {"mlm": MLMHead, "none": nn.Identity, **TASK_HEADS}
 
 
 class EncoderMLM(TransformerModel):
-    """A bidirectional encoder (BERT): with `encoder_head` "mlm" a masked-language-model head, with "none" none."""
+    """A bidirectional encoder (BERT): with `encoder_head` "mlm" a masked-language-model head, with "none" none,
+    with "sequence-classification" or "token-classification" a task head (models/heads.py)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.encoder = TransformerStack(config, "encoder", tokens)
-        self.mlm_head = ENCODER_HEADS[config.encoder_head](config, tokens)
+        head = ENCODER_HEADS[config.encoder_head](config, tokens)
+        # a task head has its own tensor names (task_head.*); the other of the two is an identity
+        task = config.encoder_head in TASK_HEADS
+        self.mlm_head = nn.Identity() if task else head
+        self.task_head = head if task else nn.Identity()
 
     def encode(
         self,
@@ -155,8 +161,10 @@ class EncoderMLM(TransformerModel):
         token_types: torch.Tensor | None = None,
         global_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Tokens (B, T) -> vocabulary logits (B, T, V) at every position; hidden states (B, T, d) without a head."""
-        return self.mlm_head(self.encode(input_ids, attention_mask, token_types, global_tokens))
+        """Tokens (B, T) -> vocabulary logits (B, T, V) at every position; hidden states (B, T, d) without a head;
+        with a task head, label logits (B, num_labels) per sequence or (B, T, num_labels) per token."""
+        hidden = self.encode(input_ids, attention_mask, token_types, global_tokens)
+        return self.task_head(self.mlm_head(hidden))
 
 
 MODELS: dict[str, type[TransformerModel]] = {
