@@ -42,15 +42,25 @@ def evaluate(
     beam_size: int = 4,
     alpha: float = 0.6,
     limit: int = 0,
+    block_size: int = 0,
 ) -> None:
-    """Score a translation checkpoint with sacreBLEU on a held-out split or a parallel file.
+    """Score a checkpoint on a held-out split or a file: a translation model with sacreBLEU, a decoder LM with
+    perplexity, an MLM encoder with masked-token accuracy and MLM loss.
 
     model: a checkpoint directory, or a training run directory (its best checkpoint is used)
-    data: 'bible:en-de' / 'bible:en-fr' (uses --split) or a TSV / JSONL file of source and reference
+    data: 'bible:en-de' / 'bible:en-fr' (uses --split; language models read its English side) or a TSV / JSONL
+        file of source and reference (language models: a text file, one line per example)
     split: dev or test, for the embedded corpus
     limit: score only the first N sentences (0: all)
+    block_size: decoder LMs: score the lines packed into blocks of this many tokens (0: each line on its own)
     """
     from tformer.training import evaluate_checkpoint
+    from tformer.training.lm_eval import evaluate_lm_checkpoint, is_language_model
+
+    if is_language_model(model):
+        score = evaluate_lm_checkpoint(model, data, split, limit, block_size)
+        print(f"{split + ' ' if data.startswith('bible:') else ''}{score.summary()}")
+        return
 
     result = evaluate_checkpoint(model, data, split, beam_size, alpha, limit)
     for sample in result.samples(3):

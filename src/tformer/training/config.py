@@ -38,6 +38,7 @@ class TrainConfig(ConfigBase):
     max_len: int = 128  # examples with more tokens on either side are skipped
     max_tokens: int = 4096  # token budget per batch (fairseq --max-tokens)
     grad_accum: int = 1
+    pack: bool = False  # clm: train on blocks of max_len tokens of the concatenated corpus (data/packing.py)
 
     # optimization
     optimizer: str = "adam-noam"
@@ -119,6 +120,8 @@ class TrainConfig(ConfigBase):
             raise ConfigError(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"lr must be a positive finite number, got {self.lr}")
+        if self.pack and self.objective != "clm":
+            raise ConfigError(f"train.pack packs text for the clm objective, not '{self.objective}'; remove train.pack")
         if self.lora is not None:
             self._check_lora()
 

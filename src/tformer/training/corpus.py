@@ -16,8 +16,11 @@ from tformer.data import (
     read_text,
     seq2seq_lengths,
 )
+from tformer.data.objectives import OBJECTIVES, Objective
+from tformer.data.packing import pack_sequences, packed_causal_lm
 from tformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from tformer.training.config import TrainConfig
+from tformer.training.init_from import vocab_of
 
 PARALLEL_OBJECTIVES = ("seq2seq",)
 
@@ -71,6 +74,11 @@ def prepare_data(config: TrainConfig, run_dir: Path, pretrained: Tokenizer | Non
         encoded = encode_pairs(tokenizer, train_text)
         kept = [ex for ex in encoded if max(len(ex[0]), len(ex[1])) <= config.max_len]
         lengths = seq2seq_lengths(kept)
+    elif config.pack:  # blocks of max_len tokens of the whole stream: no verse is skipped for its length
+        encoded = tokenizer.encode_batch(train_text, add_bos=False)
+        vocab = vocab_of(tokenizer)  # the ids the objectives use, for tformer's BPE and pretrained tokenizers alike
+        kept = pack_sequences([ids for ids in encoded if ids], config.max_len, vocab.bos_id, vocab.eos_id)
+        lengths, encoded = [len(block) for block in kept], kept
     else:
         encoded = tokenizer.encode_batch(train_text, add_bos=False)  # the objective adds bos itself
         kept = [ids for ids in encoded if 0 < len(ids) <= config.max_len]
@@ -79,6 +87,11 @@ def prepare_data(config: TrainConfig, run_dir: Path, pretrained: Tokenizer | Non
         raise DataError(f"{config.corpus}: no training example has at most max_len={config.max_len} tokens")
     dev, test = _read_split(config, "dev"), _read_split(config, "test")
     return PreparedData(tokenizer, kept, lengths, dev, test, skipped=len(encoded) - len(kept))
+
+
+def batch_objective(config: TrainConfig) -> Objective:
+    """The function that turns the run's examples into a batch: the objective's, or packed clm's (train.pack)."""
+    return packed_causal_lm if config.pack else OBJECTIVES[config.objective]
 
 
 def _sentinels(config: TrainConfig) -> int:

@@ -27,7 +27,7 @@ import yaml
 from torch import nn
 
 from tformer.config import ModelConfig
-from tformer.data import OBJECTIVES, Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab, causal_lm
+from tformer.data import Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab, causal_lm
 from tformer.errors import TrainingDiverged, TrainingOutOfMemory
 from tformer.models import CheckpointError, TransformerModel, build_model
 from tformer.training.checkpoint import (
@@ -44,7 +44,7 @@ from tformer.training.checkpoint import (
     write_checkpoint_files,
 )
 from tformer.training.config import TrainConfig, check_objective
-from tformer.training.corpus import PreparedData, prepare_data
+from tformer.training.corpus import PreparedData, batch_objective, prepare_data
 from tformer.training.diagnose import (
     LossSpikes,
     NonFinite,
@@ -158,7 +158,7 @@ class Trainer:
     def _batch(self, indices: list[int], micro_step: int) -> Seq2SeqBatch | LMBatch:
         generator = torch.Generator().manual_seed(stream_seed(self.config.seed, micro_step))
         examples = [self.data.examples[i] for i in indices]
-        return OBJECTIVES[self.config.objective](examples, self.vocab, generator).to(self.device)
+        return batch_objective(self.config)(examples, self.vocab, generator).to(self.device)
 
     def train_step(self, batches: list[Seq2SeqBatch | LMBatch]) -> tuple[float, int]:
         """One optimizer step over this rank's `batches` (gradient accumulation); returns (mean loss per token,
