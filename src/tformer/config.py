@@ -16,7 +16,7 @@ import yaml
 from tformer.errors import ConfigError
 from tformer.files import read_mapping
 
-FAMILIES = ("encoder-decoder", "decoder", "encoder")
+FAMILIES = ("encoder-decoder", "decoder", "encoder", "lstm-encoder-decoder")
 POSITION_NAMES = ("sinusoidal", "learned", "rope", "alibi", "none")
 SINUSOIDAL_LAYOUT_NAMES = ("interleaved", "split")
 ROPE_SCALINGS = ("none", "linear", "dynamic-ntk", "yarn")
@@ -151,6 +151,7 @@ class ModelConfig(ConfigBase):
     share_embeddings: bool = True  # encoder-decoder: source and target share one embedding
     lm_head_bias: bool = False
     encoder_head: str = "mlm"  # family 'encoder': "mlm" outputs vocabulary logits, "none" the hidden states
+    lstm_hidden: int | None = None  # family 'lstm-encoder-decoder': LSTM width, even (bidirectional); None: d_model
     num_labels: int | None = None  # classification heads: the number of classes (models/heads.py)
     label_names: list[str] | None = None  # classification heads, optional: the name of each class, in id order
 
@@ -247,6 +248,7 @@ class ModelConfig(ConfigBase):
                 "remove sliding_window or use family 'decoder'"
             )
         self._check_attention()
+        self._check_recurrent()
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
         if self.sinusoidal_base <= 1 or self.rope_theta <= 1:
@@ -284,6 +286,25 @@ class ModelConfig(ConfigBase):
                     f"({self.attn_dropout}) has nothing to drop; set attn_dropout: 0 (dropout still applies)"
                 )
 
+    def _check_recurrent(self) -> None:
+        """An LSTM ignores the Transformer-only keys (heads, d_ff, positions, norms) but refuses what it cannot do."""
+        if self.family != "lstm-encoder-decoder":
+            if self.lstm_hidden is not None:
+                raise ConfigError(f"lstm_hidden applies to family 'lstm-encoder-decoder' only, not '{self.family}'")
+            return
+        if self.n_encoder_layers < 1 or self.n_decoder_layers < 1 or (self.lstm_hidden or self.d_model) % 2:
+            raise ConfigError(
+                "family 'lstm-encoder-decoder' needs n_encoder_layers and n_decoder_layers >= 1 and an even "
+                "lstm_hidden (or d_model when lstm_hidden is null): the bidirectional encoder halves it per direction"
+            )
+        wrong = {"sliding_window": self.sliding_window is not None, "attention": self.attention != "softmax"}
+        wrong |= {"activation_checkpointing": self.activation_checkpointing, "type_vocab_size": self.type_vocab_size}
+        if keys := [key for key, value in wrong.items() if value]:
+            raise ConfigError(
+                f"family 'lstm-encoder-decoder' has no self-attention layers, so {', '.join(keys)} cannot apply; "
+                f"remove {', '.join(keys)} (defaults: none, softmax, false, 0) or use family 'encoder-decoder'"
+            )
+
     def _check_derived(self) -> None:
         if self.position == "rope" and self.head_dim % 2:
             raise ConfigError(
@@ -297,7 +318,8 @@ class ModelConfig(ConfigBase):
                 raise ConfigError(f"rope_scaling '{self.rope_scaling}' needs position 'rope', got '{self.position}'")
             if self.rope_factor < 1.0:
                 raise ConfigError(f"rope_factor must be >= 1 (context extension factor), got {self.rope_factor}")
-        if self.family == "encoder-decoder" and self.share_embeddings and self.tgt_vocab_size != self.vocab_size:
+        seq2seq = self.family in ("encoder-decoder", "lstm-encoder-decoder")
+        if seq2seq and self.share_embeddings and self.tgt_vocab_size != self.vocab_size:
             raise ConfigError(
                 f"share_embeddings needs one joint vocabulary, but vocab_size={self.vocab_size} and "
                 f"tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings: false or use a joint vocabulary"

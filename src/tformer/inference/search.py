@@ -15,7 +15,7 @@ import torch
 
 from tformer.errors import RequestError
 from tformer.layers.kv_cache import LayerCache
-from tformer.models import DecoderLM, EncoderDecoder
+from tformer.models import DecoderLM, EncoderDecoder, RecurrentCache
 
 Hypothesis = tuple[float, list[int]]  # (log p / lp, tokens without specials)
 Candidate = tuple[float, int, int]  # (summed log p, parent beam, next token)
@@ -236,12 +236,18 @@ class Beams:
         return [max(hyps, key=lambda h: h[0])[1] if hyps else [] for hyps in self.finished]
 
 
-def _reorder(cache: list[LayerCache], index: torch.Tensor, length: int | None = None, shrinking: bool = True) -> None:
+def _reorder(
+    cache: list[LayerCache] | RecurrentCache, index: torch.Tensor, length: int | None = None, shrinking: bool = True
+) -> None:
     """Each row of the batch takes the cache of row `index[row]`, for the first `length` positions (all if None).
 
     Cross-attention keys and values are the same for every beam of a source, so a reorder within the sources
-    leaves them as they are; only a batch that drops sources (`shrinking`) selects their rows.
+    leaves them as they are; only a batch that drops sources (`shrinking`) selects their rows. An LSTM's state
+    (models/recurrent.py) has no positions and reorders its rows the same way.
     """
+    if isinstance(cache, RecurrentCache):
+        cache.reorder(index, shrinking)
+        return
     for layer_cache in cache:
         layer_cache.self_attn.reorder(index, length)
         if shrinking:

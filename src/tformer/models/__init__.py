@@ -6,6 +6,7 @@ from tformer.config import ModelConfig
 from tformer.models.base import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, TransformerModel, load
 from tformer.models.families import MODELS, DecoderLM, EncoderDecoder, EncoderMLM
 from tformer.models.init import init_weights
+from tformer.models.recurrent import LSTMEncoderDecoder, RecurrentCache
 from tformer.models.weights import assign_weights, meta_tensors, skip_init
 
 
@@ -30,7 +31,9 @@ __all__ = [
     "DecoderLM",
     "EncoderDecoder",
     "EncoderMLM",
+    "LSTMEncoderDecoder",
     "MODELS",
+    "RecurrentCache",
     "TransformerModel",
     "assign_weights",
     "build_model",

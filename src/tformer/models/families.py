@@ -11,6 +11,7 @@ from tformer.layers.ffn import ACTIVATIONS
 from tformer.layers.kv_cache import LayerCache
 from tformer.models.base import TransformerModel
 from tformer.models.heads import TASK_HEADS
+from tformer.models.recurrent import LSTMEncoderDecoder
 from tformer.models.stack import StackInputs, TransformerStack
 
 
@@ -171,4 +172,5 @@ MODELS: dict[str, type[TransformerModel]] = {
     "encoder-decoder": EncoderDecoder,
     "decoder": DecoderLM,
     "encoder": EncoderMLM,
+    "lstm-encoder-decoder": LSTMEncoderDecoder,  # the recurrent baseline with Luong attention (models/recurrent.py)
 }

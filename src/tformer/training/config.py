@@ -18,6 +18,7 @@ OBJECTIVE_FAMILIES = {  # the model family each objective trains
     "mlm": "encoder",
 }
 OBJECTIVE_NAMES = tuple(OBJECTIVE_FAMILIES)
+OTHER_FAMILY_OBJECTIVES = {"lstm-encoder-decoder": ("seq2seq",)}  # other families: their objectives
 PARALLEL_STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp+tp")  # how several processes share the work
 FSDP_SHARDINGS = ("full", "grad-op")  # ZeRO-3 / ZeRO-2
 FSDP_DTYPES = ("float32", "bfloat16")
@@ -150,6 +151,8 @@ class TrainConfig(ConfigBase):
 def check_objective(model: ModelConfig, train: TrainConfig) -> None:
     """Raises ConfigError when `train.objective` cannot train `model` (wrong family, or MLM without its head)."""
     needed = OBJECTIVE_FAMILIES[train.objective]
+    if train.objective in OTHER_FAMILY_OBJECTIVES.get(model.family, ()):
+        return
     if model.family != needed and train.init_from:
         fits = [name for name, family in OBJECTIVE_FAMILIES.items() if family == model.family]
         raise ConfigError(
