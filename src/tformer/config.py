@@ -16,7 +16,7 @@ import yaml
 from tformer.errors import ConfigError
 from tformer.files import read_mapping
 
-FAMILIES = ("encoder-decoder", "decoder", "encoder", "lstm-encoder-decoder")
+FAMILIES = ("encoder-decoder", "decoder", "encoder", "ssm", "lstm-encoder-decoder")
 POSITION_NAMES = ("sinusoidal", "learned", "rope", "alibi", "none")
 SINUSOIDAL_LAYOUT_NAMES = ("interleaved", "split")
 ROPE_SCALINGS = ("none", "linear", "dynamic-ntk", "yarn")
@@ -163,6 +163,11 @@ class ModelConfig(ConfigBase):
     performer_features: int = 256  # performer: random features approximating the softmax kernel (FAVOR+)
     activation_checkpointing: bool = False
 
+    # family 'ssm' (Mamba): state size N per channel, causal conv width, inner width = ssm_expand * d_model
+    ssm_state_size: int = 16
+    ssm_conv_width: int = 4
+    ssm_expand: int = 2
+
     # initialization
     init: str = "xavier"
     init_std: float = 0.02
@@ -248,6 +253,7 @@ class ModelConfig(ConfigBase):
                 "remove sliding_window or use family 'decoder'"
             )
         self._check_attention()
+        self._check_ssm()
         self._check_recurrent()
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
@@ -285,6 +291,13 @@ class ModelConfig(ConfigBase):
                     f"attention 'performer' never forms attention probabilities, so attn_dropout "
                     f"({self.attn_dropout}) has nothing to drop; set attn_dropout: 0 (dropout still applies)"
                 )
+
+    def _check_ssm(self) -> None:
+        for name in ("ssm_state_size", "ssm_conv_width", "ssm_expand"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1 (Mamba uses 16, 4 and 2), got {getattr(self, name)}")
+        if self.family == "ssm" and self.n_decoder_layers < 1:
+            raise ConfigError(f"family 'ssm' stacks n_decoder_layers Mamba blocks; got {self.n_decoder_layers}")
 
     def _check_recurrent(self) -> None:
         """An LSTM ignores the Transformer-only keys (heads, d_ff, positions, norms) but refuses what it cannot do."""

@@ -12,6 +12,7 @@ from tformer.layers.kv_cache import LayerCache
 from tformer.models.base import TransformerModel
 from tformer.models.heads import TASK_HEADS
 from tformer.models.recurrent import LSTMEncoderDecoder
+from tformer.models.ssm import SSMLM
 from tformer.models.stack import StackInputs, TransformerStack
 
 
@@ -173,4 +174,5 @@ MODELS: dict[str, type[TransformerModel]] = {
     "decoder": DecoderLM,
     "encoder": EncoderMLM,
     "lstm-encoder-decoder": LSTMEncoderDecoder,  # the recurrent baseline with Luong attention (models/recurrent.py)
+    "ssm": SSMLM,  # a Mamba LM, the Transformer LM's O(n) counterpart (models/ssm.py)
 }

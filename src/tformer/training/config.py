@@ -18,7 +18,8 @@ OBJECTIVE_FAMILIES = {  # the model family each objective trains
     "mlm": "encoder",
 }
 OBJECTIVE_NAMES = tuple(OBJECTIVE_FAMILIES)
-OTHER_FAMILY_OBJECTIVES = {"lstm-encoder-decoder": ("seq2seq",)}  # other families: their objectives
+# families outside OBJECTIVE_FAMILIES: the objectives each trains with
+OTHER_FAMILY_OBJECTIVES = {"ssm": ("clm",), "lstm-encoder-decoder": ("seq2seq",)}
 PARALLEL_STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp+tp")  # how several processes share the work
 FSDP_SHARDINGS = ("full", "grad-op")  # ZeRO-3 / ZeRO-2
 FSDP_DTYPES = ("float32", "bfloat16")
