@@ -80,12 +80,14 @@ def test_prefix_cache_hits_give_the_same_tokens() -> None:
     first = engine.generate([prompts[0]], GREEDY)[0]
     rid = engine.add_request(prompts[1], GREEDY)
     engine.step()
-    assert engine.sequences[rid].n_computed == 14  # 12 of 13 shared tokens came from 3 cached blocks, +2 computed
+    assert (
+        engine.requests[rid].samples[0].n_computed == 14
+    )  # 12 of 13 shared tokens came from 3 cached blocks, +2 computed
     assert engine.scheduler.prefix_hit_tokens == 12
     rest = engine.generate([prompts[2]], GREEDY)[0]
     while engine.has_unfinished():
         engine.step()
-    second = engine.sequences[rid]
+    second = engine.requests[rid].samples[0]
     assert first.token_ids == reference_greedy(model, prompts[0], 12)
     assert second.output == reference_greedy(model, prompts[1], 12)
     assert rest.token_ids == reference_greedy(model, prompts[2], 12)
@@ -210,7 +212,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(prompt, params, m
         engine.add_request(prompt, params)
     while engine.has_unfinished():
         engine.step()
-    assert engine.sequences[running].output == reference_greedy(model, [1, 2, 3], 12)
+    assert engine.requests[running].samples[0].output == reference_greedy(model, [1, 2, 3], 12)
 
 
 @pytest.mark.parametrize(

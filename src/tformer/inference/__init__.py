@@ -2,11 +2,13 @@
 
 from tformer.inference.engine import Engine, EngineConfig
 from tformer.inference.outputs import Completion, RequestOutput
+from tformer.inference.requests import ContextLengthError
 from tformer.inference.sampling import RequestError, SamplingParams
 from tformer.inference.search import beam_search, beam_search_decoder, greedy_search, length_penalty, translate_ids
 
 __all__ = [
     "Completion",
+    "ContextLengthError",
     "Engine",
     "EngineConfig",
     "RequestError",

@@ -10,6 +10,11 @@ With a draft model (`Engine(model, draft=small_model)`, decoder-only), every dec
 draft proposes up to `num_speculative_tokens` tokens per sequence, the target scores them all in one forward,
 and the rejection scheme of speculative.py keeps a prefix of them plus one token of the target's, so greedy
 output is the target's own and sampled output follows the target's distribution.
+
+The engine coordinates; the books are elsewhere (vLLM v1's split): `InputProcessor` (requests.py) checks a
+prompt and builds its sequence, the family's runner (runner.py) holds the family's rules and runs the model,
+the `Scheduler` owns the queues and the `BlockAllocator` the blocks, and the `OutputProcessor` (outputs.py)
+detokenizes and applies the stop rules.
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ import torch
 
 from tformer.config import ConfigError
 from tformer.inference.beams import BeamGroup
-from tformer.inference.outputs import Completion, RequestOutput, accumulate
+from tformer.inference.outputs import Completion, OutputProcessor, RequestOutput, accumulate
 from tformer.inference.paged import BlockAllocator, kv_bytes_per_token, paged_cache_for
+from tformer.inference.requests import InputProcessor, Request
 from tformer.inference.runner import StepBatch, group_by_width, make_runner
-from tformer.inference.sampling import RequestError, SamplingParams, make_generator, sample_token, sampling_probs
+from tformer.inference.sampling import RequestError, SamplingParams, sample_token, sampling_probs
 from tformer.inference.scheduler import Scheduler, Sequence, Status
 from tformer.inference.speculative import Drafter, SpeculativeStats, accept_draft, check_draft
-from tformer.inference.text import TextTracker, Tokenizer
-from tformer.models import DecoderLM, EncoderDecoder, TransformerModel
+from tformer.inference.text import Tokenizer
+from tformer.models import DecoderLM, TransformerModel
 
 
 @dataclass
@@ -88,20 +94,20 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks, self.config.block_size)
         self.drafter = Drafter(draft, draft_kv[0], self.config.compile) if draft is not None else None
         self.speculative = SpeculativeStats()
-        prefix_caching = self.config.prefix_caching and not isinstance(model, EncoderDecoder)
-        lookahead = self.config.num_speculative_tokens if draft is not None else 0
         self.scheduler = Scheduler(
             self.allocator,
             self.config.max_batched_tokens,
             self.config.max_seqs,
-            prefix_caching=prefix_caching,
-            lookahead=lookahead,
+            prefix_caching=self.config.prefix_caching and self.runner.prefix_caching,
+            lookahead=self.config.num_speculative_tokens if draft is not None else 0,
             max_model_len=self.max_model_len,
             window=model.config.sliding_window,
         )
-        self.sequences: dict[str, Sequence] = {}
-        self._beam_groups: dict[str, BeamGroup] = {}
-        self._trackers: dict[str, TextTracker] = {}
+        self.inputs = InputProcessor(
+            self.runner, tokenizer, model.config.vocab_size, self.max_model_len, self.scheduler
+        )
+        self.outputs = OutputProcessor(tokenizer, self.max_model_len)
+        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_block_copies = 0  # copy-on-write copies of shared blocks
@@ -121,96 +127,45 @@ class Engine:
         """Queues a request; raises RequestError (and changes nothing) when it cannot be served."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.sequences:
+        if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        seq = self._new_sequence(request_id, self._encode(prompt), params)
-        self.sequences[request_id] = seq
-        self._trackers[request_id] = TextTracker(self.tokenizer, params.stop)
+        seq = self.inputs.new_sequence(request_id, prompt, params)
+        request = Request(request_id, params, [seq])
         if params.beam_width > 1:
-            eos = self._eos_ids()
-            self._beam_groups[request_id] = BeamGroup(seq, -1 if params.ignore_eos or not eos else min(eos))
-        self.scheduler.add(seq)
+            eos = self.outputs.eos_ids
+            request.beams = BeamGroup(seq, -1 if params.ignore_eos or not eos else min(eos))
+            request.samples = []
+        self.requests[request_id] = request
+        self.outputs.add(request_id, 0, params)
+        self.scheduler.add_request(seq)
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Cancels a request, every sample or beam of it (a client went away): its blocks return to the pool."""
-        group = self._beam_groups.pop(request_id, None)
-        for member in group.live if group is not None else []:
-            if member.status is not Status.FINISHED:
-                self.scheduler.finish(member, "abort")
-        first = self.sequences.get(request_id)
-        n = first.params.n if first is not None else 1
-        for key in [_key(request_id, i) for i in range(n)]:
-            seq = self.sequences.pop(key, None)
-            self._trackers.pop(key, None)
-            if seq is not None and seq.status is not Status.FINISHED:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.sequences():
+            if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "abort")
+        self.outputs.forget(request_id, request.params.n)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def room(self, prompt_len: int) -> int:
+        """How many tokens a prompt of prompt_len tokens leaves in the context (the longest max_tokens)."""
+        return self.inputs.room(prompt_len)
+
+    def check_context(self, prompt_len: int, max_tokens: int, tokens_param: str = "max_tokens") -> None:
+        """Raises `ContextLengthError` (a RequestError naming the part at fault) when a request overflows the
+        context; `add_request` applies the same rule."""
+        self.inputs.check_context(prompt_len, max_tokens, tokens_param)
 
     @property
     def num_blocks_in_use(self) -> int:
         """KV blocks some live request holds (cached free blocks do not count)."""
         return self.allocator.pool.num_used
-
-    def _encode(self, prompt: str | Seq[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this engine has no tokenizer: pass the prompt as a list of token ids")
-            try:
-                ids = self.tokenizer.encode(prompt)
-            except (TypeError, ValueError) as err:  # e.g. a lone UTF-16 surrogate from a JSON body
-                raise RequestError(f"the prompt cannot be tokenized: {err}") from None
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise RequestError("the prompt is empty; send at least one token")
-        vocab = self.model.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise RequestError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
-        return ids
-
-    def _new_sequence(self, request_id: str, ids: list[int], params: SamplingParams) -> Sequence:
-        generator = None if params.greedy else make_generator(params.seed)
-        if isinstance(self.model, EncoderDecoder):
-            if len(ids) > self.max_model_len:
-                raise RequestError(f"the source has {len(ids)} tokens; the model reads at most {self.max_model_len}")
-            prompt, source = [self._bos_id()], ids
-        else:
-            prompt, source = ids, None
-        if len(prompt) >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(prompt)} tokens but the context holds {self.max_model_len}; shorten it"
-            )
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"max_tokens={params.max_tokens} is beyond the limit: the prompt's {len(prompt)} tokens plus "
-                f"max_tokens exceed the context of {self.max_model_len}; use max_tokens <= "
-                f"{self.max_model_len - len(prompt)}"
-            )
-        # every beam may need its own blocks in the end; a beam group that fits alone can always make progress
-        blocks = self._blocks_per_sequence(len(prompt) + params.max_tokens) * params.beam_width
-        if blocks > self.allocator.pool.num_blocks:
-            raise RequestError(f"the request needs {blocks} KV blocks; the pool has {self.allocator.pool.num_blocks}")
-        return Sequence(request_id, prompt, params, generator, source=source)
-
-    def _blocks_per_sequence(self, n_tokens: int) -> int:
-        """The most blocks a sequence of n_tokens holds at once: all of them, or under a sliding window (without a
-        draft) the window's blocks plus those of one step's new tokens, and one more a window may straddle."""
-        needed = self.allocator.blocks_needed([], n_tokens)
-        window = self.model.config.sliding_window
-        if window is None or self.scheduler.lookahead:
-            return needed
-        return min(needed, self.allocator.blocks_needed([], window + self.config.max_batched_tokens) + 1)
-
-    def _bos_id(self) -> int:
-        bos = getattr(self.tokenizer, "bos_id", None)
-        return 1 if bos is None else bos
-
-    def _eos_ids(self) -> set[int]:
-        eos = getattr(self.tokenizer, "eos_id", None)
-        return set() if eos is None else {eos}
 
     # the loop -------------------------------------------------------------------------------------------
 
@@ -237,7 +192,7 @@ class Engine:
         seqs = [seq for seq, _ in scheduled]
         for seq in seqs:
             self.runner.start(seq)
-        chunks = [seq.tokens[seq.n_computed : seq.n_computed + n] for seq, n in scheduled]
+        chunks = [seq.tokens_between(seq.n_computed, seq.n_computed + n) for seq, n in scheduled]
         batch = StepBatch.build(chunks, [seq.n_computed for seq in seqs], self.kv.k[0].device)
         views = self.kv.step_views([seq.table for seq in seqs], batch.positions)
         logits = self.runner.logits(seqs, batch, views)  # (B, V)
@@ -245,15 +200,28 @@ class Engine:
             self.drafter.follow(seqs, batch)
         outputs = []
         for row, (seq, n) in enumerate(scheduled):
-            seq.n_computed += n
-            self.scheduler.computed(seq)
-            if seq.n_pending == 0 and seq.params.beam_width > 1:
-                outputs += self._beam_step(seq, logits[row])
-            elif seq.n_pending == 0:
-                forks = self._fork(seq) if not seq.output and seq.params.n > 1 else []
-                for member in [seq, *forks]:  # samples of one prompt draw their first tokens from the same logits
-                    member.output.append(sample_token(logits[row], member.params, member.generator))
-                    outputs.append(self._emit(member))
+            self.scheduler.update_from_output(seq, n)
+            if seq.n_pending == 0:
+                outputs += self._next_token(seq, logits[row])
+        return outputs
+
+    def _next_token(self, seq: Sequence, logits: torch.Tensor) -> list[RequestOutput]:
+        """A sequence's next token from its logits (V,): a beam's step, or a sample's token (and on the first
+        token of a request with n samples, its forks' first tokens from the same logits)."""
+        request = self.requests[seq.request_id]
+        if request.beams is not None:
+            return self._beam_step(request, seq, logits)
+        members = [seq]
+        if not seq.output and seq.params.n > 1:
+            forks = request.fork(seq, self.allocator)
+            for child in forks:
+                self.outputs.add(seq.request_id, child.index, seq.params)
+            self.scheduler.add_running(forks)
+            members += forks
+        outputs = []
+        for member in members:
+            member.output.append(sample_token(logits, member.params, member.generator))
+            outputs.append(self._emit(member))
         return outputs
 
     def _speculate(self, seqs: list[Sequence], lengths: list[int]) -> list[RequestOutput]:
@@ -262,7 +230,10 @@ class Engine:
         scheme decides which tokens each sequence keeps."""
         assert self.drafter is not None
         proposals, draft_probs = self.drafter.propose(seqs, lengths)
-        chunks = [[seq.tokens[seq.n_computed], *drafted] for seq, drafted in zip(seqs, proposals, strict=True)]
+        chunks = [
+            [seq.tokens_between(seq.n_computed, seq.n_computed + 1)[0], *drafted]
+            for seq, drafted in zip(seqs, proposals, strict=True)
+        ]
         batch = StepBatch.build(chunks, [seq.n_computed for seq in seqs], self.kv.k[0].device)
         views = self.kv.step_views([seq.table for seq in seqs], batch.positions)
         logits = self.runner.logits(seqs, batch, views, every_position=True)  # (B, 1 + drafts, V)
@@ -273,9 +244,9 @@ class Engine:
             kept = accept_draft(drafted, q, p, seq.generator)
             self.speculative.proposed += len(drafted)
             self.speculative.accepted += len(kept) - 1
-            seq.n_computed += len(kept)  # the pending token and the accepted drafts; the last kept one is pending
-            seq.draft_computed = min(seq.draft_computed, seq.n_computed)
-            self.scheduler.computed(seq)
+            # the pending token and the accepted drafts are computed; the last kept token is pending
+            seq.draft_computed = min(seq.draft_computed, seq.n_computed + len(kept))
+            self.scheduler.update_from_output(seq, len(kept))
             for token in kept:
                 seq.output.append(token)
                 outputs.append(self._emit(seq))
@@ -283,36 +254,13 @@ class Engine:
                     break
         return outputs
 
-    def _fork(self, seq: Sequence) -> list[Sequence]:
-        """Samples 1..n-1 of a request whose prompt is now cached: each shares every block of the prompt."""
-        children = []
-        for i in range(1, seq.params.n):
-            seed = None if seq.params.seed is None else seq.params.seed + i
-            child = Sequence(
-                seq.request_id,
-                seq.prompt,
-                seq.params,
-                None if seq.params.greedy else make_generator(seed),
-                table=self.allocator.fork(seq.table),
-                n_computed=seq.n_computed,
-                draft_computed=seq.draft_computed,
-                status=Status.RUNNING,
-                source=seq.source,
-                encoder_state=seq.encoder_state,
-                index=i,
-            )
-            self.sequences[_key(seq.request_id, i)] = child
-            self._trackers[_key(seq.request_id, i)] = TextTracker(self.tokenizer, seq.params.stop)
-            self.scheduler.running.append(child)
-            children.append(child)
-        return children
-
-    def _beam_step(self, seq: Sequence, logits: torch.Tensor) -> list[RequestOutput]:
+    def _beam_step(self, request: Request, seq: Sequence, logits: torch.Tensor) -> list[RequestOutput]:
         """A beam's next-token logits; once the request's live beams all have theirs, the beams move on.
 
         Beam search streams nothing until it ends: then one output carries the best hypothesis whole.
         """
-        group = self._beam_groups[seq.request_id]
+        group = request.beams
+        assert group is not None
         if not group.record(seq, logits):
             return []
         old = group.live
@@ -320,31 +268,18 @@ class Engine:
         for member in old:
             self.scheduler.finish(member, "beam")
         if new is not None:
-            self.scheduler.running += new
+            for member in new:
+                member.arrival = seq.arrival  # the beams keep their request's place in the queue
+            self.scheduler.add_running(new)
             return []
-        del self._beam_groups[seq.request_id]
-        tokens, ended = group.result()
-        tracker = self._trackers[seq.request_id]
-        text, _ = tracker.push(tokens, stop_token=ended)
-        reason = "stop" if ended else "length"
-        return [RequestOutput(seq.request_id, tokens, text + tracker.flush(), True, reason)]
+        request.beams = None
+        return [self.outputs.beam_result(seq.request_id, *group.result())]
 
     def _emit(self, seq: Sequence) -> RequestOutput:
-        token = seq.output[-1]
-        params = seq.params
-        tracker = self._trackers[_key(seq.request_id, seq.index)]
-        reason = None
-        if token in params.stop_token_ids or (token in self._eos_ids() and not params.ignore_eos):
-            reason = "stop"
-        text, hit_stop = tracker.push(seq.output, stop_token=reason is not None)
-        if hit_stop:
-            reason = "stop"
-        elif reason is None and (len(seq.output) >= params.max_tokens or len(seq.tokens) >= self.max_model_len):
-            reason = "length"
-        if reason is not None:
-            text += tracker.flush() if not hit_stop else ""
-            self.scheduler.finish(seq, reason)
-        return RequestOutput(seq.request_id, [token], text, reason is not None, reason, seq.index)
+        out = self.outputs.process(seq)
+        if out.finished:
+            self.scheduler.finish(seq, out.finish_reason or "stop")
+        return out
 
     # convenience ----------------------------------------------------------------------------------------
 
@@ -359,8 +294,9 @@ class Engine:
             prompts = [prompts]  # type: ignore[list-item]
         params_list = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        first = {rid: self.requests[rid].sequences()[0] for rid in ids}
         done = {
-            (rid, i): Completion(rid, list(self.sequences[rid].source or self.sequences[rid].prompt), index=i)
+            (rid, i): Completion(rid, list(first[rid].source or first[rid].prompt), index=i)
             for rid, sp in zip(ids, params_list, strict=True)
             for i in range(sp.n)
         }
@@ -388,8 +324,3 @@ class Engine:
                         yield out
         finally:
             self.abort(rid)
-
-
-def _key(request_id: str, index: int) -> str:
-    """The engine's key of sample `index` of a request: sample 0 is the request itself."""
-    return request_id if index == 0 else f"{request_id}#{index}"

@@ -1,8 +1,13 @@
-"""What the engine hands back: a request's output of one step (streaming) and a finished request."""
+"""What the engine hands back: a request's output of one step (streaming) and a finished request, and the
+output processor that detokenizes and applies the stop rules."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from tformer.inference.sampling import SamplingParams
+from tformer.inference.scheduler import Sequence
+from tformer.inference.text import TextTracker, Tokenizer
 
 
 @dataclass
@@ -35,3 +40,50 @@ def accumulate(completion: Completion, out: RequestOutput) -> None:
     completion.text += out.text
     if out.finished:
         completion.finish_reason = out.finish_reason
+
+
+class OutputProcessor:
+    """Detokenization and the stop rules: turns a sequence's new token into its request's `RequestOutput`.
+
+    Each sample of a request has its own text so far (`TextTracker`), keyed by (request_id, index). A sample
+    stops at a stop token or the end-of-sequence token (unless `ignore_eos`), at a stop string (cut from the
+    text), at `max_tokens`, or when it fills the context; the engine then ends the sequence in the scheduler.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        eos = getattr(tokenizer, "eos_id", None)
+        self.eos_ids: set[int] = set() if eos is None else {eos}
+        self._texts: dict[tuple[str, int], TextTracker] = {}
+
+    def add(self, request_id: str, index: int, params: SamplingParams) -> None:
+        """Starts the text of sample `index` of a request."""
+        self._texts[request_id, index] = TextTracker(self.tokenizer, params.stop)
+
+    def forget(self, request_id: str, n: int) -> None:
+        """Drops the texts of a request's n samples (it finished or was aborted)."""
+        for index in range(n):
+            self._texts.pop((request_id, index), None)
+
+    def process(self, seq: Sequence) -> RequestOutput:
+        """The output of the token just appended to `seq`: its new text, and whether and why the sample stops."""
+        token, params = seq.output[-1], seq.params
+        tracker = self._texts[seq.request_id, seq.index]
+        reason = None
+        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+            reason = "stop"
+        text, hit_stop = tracker.push(seq.output, stop_token=reason is not None)
+        if hit_stop:
+            reason = "stop"
+        elif reason is None and (len(seq.output) >= params.max_tokens or seq.length >= self.max_model_len):
+            reason = "length"
+        if reason is not None and not hit_stop:
+            text += tracker.flush()
+        return RequestOutput(seq.request_id, [token], text, reason is not None, reason, seq.index)
+
+    def beam_result(self, request_id: str, tokens: list[int], ended: bool) -> RequestOutput:
+        """The one output of a finished beam search: its best hypothesis whole (with </s> if it `ended`)."""
+        tracker = self._texts[request_id, 0]
+        text, _ = tracker.push(tokens, stop_token=ended)
+        return RequestOutput(request_id, tokens, text + tracker.flush(), True, "stop" if ended else "length")

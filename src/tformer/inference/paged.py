@@ -1,8 +1,8 @@
 """The paged KV cache (vLLM's PagedAttention): fixed-size blocks, a pool with reference counts, block tables.
 
 Bookkeeping and storage are separate:
-- `BlockPool` owns the free list, the reference counts and the prefix cache (full blocks keyed by their tokens
-  and everything before them), on the CPU, with no tensors.
+- `BlockPool` owns the free list, the reference counts and the prefix cache (full blocks keyed by a `BlockHash`
+  of their tokens and the key of the block before them, each block hashed once), on the CPU, with no tensors.
 - `PagedKVCache` owns the tensors: per layer, keys and values of shape (num_blocks * block_size, Hkv, D).
   A sequence's block table maps its position p to slot table[p // block_size] * block_size + p % block_size.
 - `PagedLayerKV` is what one attention layer sees during one engine step: it writes the new keys and values
@@ -25,8 +25,36 @@ import torch
 
 from tformer.models import TransformerModel
 
-BlockKey = tuple[object, tuple[int, ...]]  # (key of the previous block or None, this block's token ids)
 FREED = -1  # a block table entry whose block went back to the pool (it fell out of the sliding window)
+
+
+class BlockHash:
+    """The prefix-cache key of one full block: its token ids and the key of the block before it (vLLM's block hash).
+
+    The hash is computed once, from the parent's hash and this block's tokens, so hashing a block costs its
+    block_size tokens whatever its depth. Equality still compares the whole chain, so two different prefixes never
+    share a key even when their hashes collide; it stops at the first shared parent object, and the pool hands
+    out its own key objects (`BlockPool.canonical`), so a lookup usually compares one block of tokens.
+    """
+
+    __slots__ = ("parent", "tokens", "value")
+
+    def __init__(self, parent: BlockHash | None, tokens: tuple[int, ...]) -> None:
+        self.parent = parent
+        self.tokens = tokens
+        self.value = hash((None if parent is None else parent.value, tokens))
+
+    def __hash__(self) -> int:
+        return self.value
+
+    def __eq__(self, other: object) -> bool:
+        a: BlockHash | None = self
+        b = other
+        while a is not b:  # iterative: a chain may be thousands of blocks deep
+            if not isinstance(b, BlockHash) or a is None or a.value != b.value or a.tokens != b.tokens:
+                return False
+            a, b = a.parent, b.parent
+        return True
 
 
 class NoFreeBlocks(RuntimeError):
@@ -46,8 +74,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[BlockKey, int] = {}
-        self.key_of: dict[int, BlockKey] = {}
+        self.cached: dict[BlockHash, int] = {}
+        self.key_of: dict[int, BlockHash] = {}
 
     @property
     def num_free(self) -> int:
@@ -82,16 +110,25 @@ class BlockPool:
         if self.ref_counts[block] == 0:
             self.free[block] = None
 
-    def lookup(self, key: BlockKey) -> int | None:
+    def lookup(self, key: BlockHash) -> int | None:
         """The cached block holding exactly this prefix, if any (without taking a reference)."""
         return self.cached.get(key)
 
-    def register(self, block: int, key: BlockKey) -> None:
-        """Marks a full block as reusable by any sequence that starts with the same tokens."""
-        if key in self.cached or block in self.key_of:
-            return
-        self.cached[key] = block
-        self.key_of[block] = key
+    def canonical(self, key: BlockHash) -> BlockHash:
+        """The pool's own key object equal to `key`, if it caches that prefix, else `key` itself."""
+        block = self.cached.get(key)
+        return key if block is None else self.key_of[block]
+
+    def register(self, block: int, key: BlockHash) -> BlockHash:
+        """Marks a full block as reusable by any sequence that starts with the same tokens; returns the key the
+        cache holds for this prefix (an earlier equal key, or this one)."""
+        known = self.cached.get(key)
+        if known is not None:
+            return self.key_of[known]
+        if block not in self.key_of:
+            self.cached[key] = block
+            self.key_of[block] = key
+        return key
 
 
 @dataclass
@@ -157,31 +194,42 @@ class BlockAllocator:
                 copies.append(BlockCopy(block, new))
         return copies
 
-    def block_keys(self, tokens: list[int]) -> list[BlockKey]:
-        """The prefix-cache key of every full block of `tokens`."""
-        keys: list[BlockKey] = []
-        parent: object = None
-        for i in range(len(tokens) // self.block_size):
-            key = (parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
-            keys.append(key)
-            parent = key
-        return keys
+    def match_prefix(self, tokens: list[int], max_blocks: int, hashes: list[BlockHash] | None = None) -> list[int]:
+        """Takes a reference on the cached blocks that hold the longest prefix of `tokens` (at most max_blocks).
 
-    def match_prefix(self, tokens: list[int], max_blocks: int) -> list[int]:
-        """Takes a reference on the cached blocks that hold the longest prefix of `tokens` (at most max_blocks)."""
-        blocks = []
-        for key in self.block_keys(tokens)[:max_blocks]:
+        `hashes`, a sequence's keys of its published blocks (empty: it holds no blocks yet), receives their keys.
+        """
+        hashes = [] if hashes is None else hashes
+        blocks: list[int] = []
+        for i in range(max_blocks):
+            key = BlockHash(
+                hashes[-1] if hashes else None, tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            )
             block = self.pool.lookup(key)
             if block is None:
                 break
+            hashes.append(self.pool.key_of[block])
             blocks.append(self.pool.share(block))
         return blocks
 
-    def register_prefix(self, table: list[int], tokens: list[int], n_computed: int) -> None:
-        """Publishes the full blocks among the first n_computed positions for later prefix hits."""
-        for i, key in enumerate(self.block_keys(tokens[:n_computed])):
-            if table[i] != FREED:
-                self.pool.register(table[i], key)
+    def register_prefix(
+        self, table: list[int], tokens: list[int], n_computed: int, hashes: list[BlockHash] | None = None
+    ) -> None:
+        """Publishes the full blocks among the first n_computed positions for later prefix hits.
+
+        `hashes` holds the keys of the sequence's blocks published before: only the blocks after them are hashed,
+        each once in the sequence's life. A block the pool already keys (a fork's or a prefix hit's) keeps its key
+        unhashed. A FREED entry (out of the sliding window) is hashed, as the next key needs it, but not published.
+        """
+        hashes = [] if hashes is None else hashes
+        size = self.block_size
+        for i in range(len(hashes), n_computed // size):
+            known = self.pool.key_of.get(table[i])
+            if known is not None:
+                hashes.append(known)
+                continue
+            key = BlockHash(hashes[-1] if hashes else None, tuple(tokens[i * size : (i + 1) * size]))
+            hashes.append(self.pool.canonical(key) if table[i] == FREED else self.pool.register(table[i], key))
 
 
 class PagedKVCache:

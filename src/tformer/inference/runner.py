@@ -1,4 +1,8 @@
-"""Model runners: how one engine step turns a batch of sequences into next-token logits, per model family.
+"""Model runners: one per model family, with the family's rules for a request and how one engine step turns a
+batch of sequences into next-token logits. `RUNNERS` maps a model class to its runner; `make_runner` picks one.
+
+A family's rules: how a request's prompt splits into the decoder's prompt and an encoder's source, how many
+context tokens each takes, and whether a sequence's tokens alone determine its keys and values (prefix caching).
 
 A step feeds each scheduled sequence's new tokens, padded into a (B, T) batch with positions of -1 on the
 padding, through the decoder with the paged cache, and keeps the logits of each row's last real token.
@@ -13,7 +17,9 @@ chunks, whose widths vary and whose time goes to matmuls, stay eager. The first 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -76,12 +82,44 @@ class CompiledDecode:
             ) from None
 
 
+class ModelRunner(Protocol):
+    """What the engine asks of a family: its rules for a request, and the logits of one step."""
+
+    prefix_caching: bool  # whether a sequence's tokens alone determine its keys and values
+
+    def split_prompt(self, ids: list[int], bos_id: int) -> tuple[list[int], list[int] | None]:
+        """(the decoder's prompt, the encoder's source or None) of a request's prompt tokens."""
+        ...
+
+    def context_lengths(self, prompt_len: int) -> tuple[int, int]:
+        """(decoder prompt tokens, source tokens) a prompt of prompt_len tokens takes in the context."""
+        ...
+
+    def start(self, seq: Sequence) -> None:
+        """Prepares a sequence's per-request state before its first step (an encoder's output)."""
+        ...
+
+    def logits(
+        self, seqs: list[Sequence], batch: StepBatch, views: list[PagedLayerKV], every_position: bool = False
+    ) -> torch.Tensor:
+        """Each row's next-token logits (B, V); with `every_position`, those after every token (B, T, V)."""
+        ...
+
+
 class DecoderRunner:
     """Decoder-only models: the prompt is the start of the sequence itself."""
+
+    prefix_caching = True
 
     def __init__(self, model: DecoderLM, compile: bool = False) -> None:
         self.model = model
         self.decoder = CompiledDecode(model.decoder, compile)
+
+    def split_prompt(self, ids: list[int], bos_id: int) -> tuple[list[int], list[int] | None]:
+        return ids, None
+
+    def context_lengths(self, prompt_len: int) -> tuple[int, int]:
+        return prompt_len, 0
 
     def start(self, seq: Sequence) -> None:
         """Nothing to prepare: a decoder has no per-request state besides its KV blocks."""
@@ -110,11 +148,20 @@ class EncoderState:
 
 
 class Seq2SeqRunner:
-    """Encoder-decoder models: the request's source goes through the encoder once; the decoder generates."""
+    """Encoder-decoder models: the request's prompt is the source, which goes through the encoder once; the decoder
+    starts from <s> alone. No prefix caching: the decoder's keys and values depend on the source too."""
+
+    prefix_caching = False
 
     def __init__(self, model: EncoderDecoder, compile: bool = False) -> None:
         self.model = model
         self.decoder = CompiledDecode(model.decoder, compile)
+
+    def split_prompt(self, ids: list[int], bos_id: int) -> tuple[list[int], list[int] | None]:
+        return [bos_id], ids
+
+    def context_lengths(self, prompt_len: int) -> tuple[int, int]:
+        return 1, prompt_len
 
     def start(self, seq: Sequence) -> None:
         if seq.encoder_state is not None:
@@ -124,7 +171,11 @@ class Seq2SeqRunner:
         pairs = [layer.cross_attn.project_kv(memory) for layer in self.model.decoder.layers]
         seq.encoder_state = EncoderState([k for k, _ in pairs], [v for _, v in pairs])
 
-    def logits(self, seqs: list[Sequence], batch: StepBatch, views: list[PagedLayerKV]) -> torch.Tensor:
+    def logits(
+        self, seqs: list[Sequence], batch: StepBatch, views: list[PagedLayerKV], every_position: bool = False
+    ) -> torch.Tensor:
+        if every_position:
+            raise NotImplementedError("speculative decoding serves decoder-only models")
         states: list[EncoderState] = [seq.encoder_state for seq in seqs]
         width = max(state.length for state in states)
         padding = torch.zeros(len(seqs), width, dtype=torch.bool, device=batch.tokens.device)
@@ -148,14 +199,21 @@ def _pad_stack(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
-def make_runner(model: TransformerModel, compile: bool = False) -> DecoderRunner | Seq2SeqRunner:
-    if isinstance(model, DecoderLM):
-        return DecoderRunner(model, compile)
-    if isinstance(model, EncoderDecoder):
-        return Seq2SeqRunner(model, compile)
+RUNNERS: dict[type[nn.Module], Callable[..., ModelRunner]] = {
+    DecoderLM: DecoderRunner,
+    EncoderDecoder: Seq2SeqRunner,
+}
+
+
+def make_runner(model: TransformerModel, compile: bool = False) -> ModelRunner:
+    """The runner of the model's family: the first class in its method resolution order that `RUNNERS` holds."""
+    for cls in type(model).__mro__:
+        if cls in RUNNERS:
+            return RUNNERS[cls](model, compile)
+    families = ", ".join(sorted(cls.__name__ for cls in RUNNERS))
     raise TypeError(
-        f"the engine generates with decoder-only and encoder-decoder models, not {type(model).__name__} "
-        "(an encoder has no next-token distribution)"
+        f"the engine generates with {families} models, not {type(model).__name__} "
+        "(an encoder has no next-token distribution); register a runner in tformer.inference.runner.RUNNERS"
     )
 
 

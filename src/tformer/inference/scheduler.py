@@ -1,10 +1,15 @@
 """Continuous batching: a scheduler that only keeps books (vLLM v1 style).
 
-Each step it decides which sequences run and how many of their tokens: running sequences first (a decode
-step is one token; an unfinished prompt continues in chunks), then waiting ones as long as the token budget,
-the sequence limit and the free KV blocks allow. A waiting prompt first takes whatever prefix the cache
-already holds. When blocks run out, the most recently arrived running sequence is preempted: its blocks go
-back to the pool and it waits to be recomputed from scratch, keeping the tokens it has generated so far.
+The scheduler owns its queues: `add_request` puts a new sequence in the waiting queue, `add_running` a fork of
+a running one (a parallel sample, a beam), `schedule` plans a step, `update_from_output` books what the step
+computed, and `finish` ends a sequence. The engine only reads the queues.
+
+Each step it decides which sequences run and how many of their tokens: running sequences first, in order of
+arrival (a decode step is one token; an unfinished prompt continues in chunks), then waiting ones as long as
+the token budget, the sequence limit and the free KV blocks allow. A waiting prompt first takes whatever prefix
+the cache already holds. When blocks run out, the latest arrival among the running sequences is preempted (the
+samples and beams of a request share its arrival; among them, the last): its blocks go back to the pool and it
+waits to be recomputed from scratch, keeping the tokens it has generated so far.
 
 With speculative decoding (`lookahead` > 0), a decode step verifies up to `lookahead` draft tokens after the
 pending one, so the scheduler reserves (and charges the token budget for) that many more positions.
@@ -12,6 +17,7 @@ pending one, so the scheduler reserves (and charges the token budget for) that m
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,7 +25,7 @@ from enum import Enum
 
 import torch
 
-from tformer.inference.paged import BlockAllocator, BlockCopy
+from tformer.inference.paged import BlockAllocator, BlockCopy, BlockHash
 from tformer.inference.sampling import SamplingParams
 
 
@@ -46,18 +52,30 @@ class Sequence:
     draft_computed: int = 0  # speculative decoding: tokens whose keys and values are in the draft model's cache
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    arrival: int = field(default_factory=lambda: next(_arrivals))
+    arrival: int = field(default_factory=lambda: next(_arrivals))  # its request's: samples and beams share it
     source: list[int] | None = None  # encoder-decoder models: the source the encoder reads
     encoder_state: object = None  # encoder-decoder models: the source's cross-attention keys and values
     index: int = 0  # which of the request's `n` samples this is
+    block_hashes: list[BlockHash] = field(default_factory=list)  # prefix-cache keys of its published blocks
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
     @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
     def n_pending(self) -> int:
-        return len(self.prompt) + len(self.output) - self.n_computed
+        return self.length - self.n_computed
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without copying the whole sequence (a decode step reads one token)."""
+        cut = len(self.prompt)
+        if start >= cut:
+            return self.output[start - cut : end - cut]
+        return self.prompt[start:end] + self.output[: max(0, end - cut)]
 
 
 @dataclass
@@ -92,10 +110,26 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.prefix_hit_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in order of arrival: the last is the first to be preempted
 
-    def add(self, seq: Sequence) -> None:
+    def add_request(self, seq: Sequence) -> None:
+        """A new sequence waits for its first step."""
         self.waiting.append(seq)
+
+    def add_running(self, seqs: list[Sequence]) -> None:
+        """Forks of a running sequence (parallel samples, the next beams): they already hold blocks and run next step,
+        in their request's place among the running."""
+        for seq in seqs:
+            seq.status = Status.RUNNING
+            self._insert_running(seq)
+
+    def max_blocks_held(self, n_tokens: int) -> int:
+        """The most blocks a sequence of n_tokens holds at once: all of them, or under a sliding window (without a
+        draft) the window's blocks plus those of one step's new tokens, and one more a window may straddle."""
+        needed = self.allocator.blocks_needed([], n_tokens)
+        if self.window is None or self.lookahead:
+            return needed
+        return min(needed, self.allocator.blocks_needed([], self.window + self.max_batched_tokens) + 1)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -114,18 +148,20 @@ class Scheduler:
             return 0
         room = seq.params.max_tokens - len(seq.output) - 1
         if self.max_model_len is not None:
-            room = min(room, self.max_model_len - len(seq.tokens))
+            room = min(room, self.max_model_len - seq.length)
         return max(0, min(self.lookahead, room))
 
-    def computed(self, seq: Sequence) -> None:
-        """After a step: the sequence's newly full blocks become prefix-cache entries, and under a sliding window
-        the blocks no later token can see go back to the pool.
+    def update_from_output(self, seq: Sequence, n_new: int) -> None:
+        """After a step computed the keys and values of n_new more tokens of `seq`: its newly full blocks become
+        prefix-cache entries, and under a sliding window the blocks no later token can see go back to the pool.
 
+        Each block is hashed once (`seq.block_hashes` remembers them), so a step costs the same at any length.
         With a draft model, a block is published only once the draft's keys and values in it are complete too.
         """
-        if self.prefix_caching:
-            n = min(seq.n_computed, seq.draft_computed) if self.lookahead else seq.n_computed
-            self.allocator.register_prefix(seq.table, seq.tokens, n)
+        seq.n_computed += n_new
+        n = min(seq.n_computed, seq.draft_computed) if self.lookahead else seq.n_computed
+        if self.prefix_caching and n // self.allocator.block_size > len(seq.block_hashes):
+            self.allocator.register_prefix(seq.table, seq.tokens, n, seq.block_hashes)
         if self.window is not None and not self.lookahead:  # a draft may roll back and its own cache may be full
             self.allocator.release_before(seq.table, seq.n_computed - self.window + 1)
 
@@ -148,7 +184,7 @@ class Scheduler:
             n = min(seq.n_pending, budget)
             extra = self.draft_length(seq)
             while not self.allocator.can_write(seq.table, seq.n_computed, seq.n_computed + n + extra):
-                victim = self.running[-1]
+                victim = self.running[-1]  # the latest arrival: the list is in order of arrival
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -164,7 +200,7 @@ class Scheduler:
             if self.prefix_caching and seq.n_computed == 0 and not seq.table:
                 # keep at least one token to compute: its logits give the next token
                 max_hits = (len(seq.tokens) - 1) // self.allocator.block_size
-                seq.table = self.allocator.match_prefix(seq.tokens, max_hits)
+                seq.table = self.allocator.match_prefix(seq.tokens, max_hits, seq.block_hashes)
                 seq.n_computed = seq.draft_computed = len(seq.table) * self.allocator.block_size
                 self.prefix_hit_tokens += seq.n_computed
             n = min(seq.n_pending, budget)
@@ -173,7 +209,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            self._insert_running(seq)
             self._reserve(seq, n, out, extra)
             budget -= n + extra
 
@@ -186,9 +222,14 @@ class Scheduler:
         if extra:
             out.drafts[seq] = extra
 
+    def _insert_running(self, seq: Sequence) -> None:
+        """Keeps `running` in order of arrival; a sequence goes after those that arrived with it or before."""
+        bisect.insort_right(self.running, seq, key=lambda s: s.arrival)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.allocator.free(seq.table)
         seq.n_computed = seq.draft_computed = 0
+        seq.block_hashes.clear()  # its blocks are gone; a prefix hit on readmission refills the keys
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

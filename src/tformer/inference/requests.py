@@ -1,0 +1,145 @@
+"""Requests on their way in: a prompt becomes a sequence the engine can serve, or is refused before anything changes.
+
+`InputProcessor` tokenizes and checks a prompt, applies the context-length rule (`check_context`, the one place
+it lives: the engine, `AsyncEngine` and the server's `check_fits` all ask it) and builds the request's first
+sequence with its family's decoder prompt. `Request` keeps the books of one request: its samples, keyed by
+(request_id, index), and its beams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from tformer.errors import RequestError
+from tformer.inference.beams import BeamGroup
+from tformer.inference.paged import BlockAllocator
+from tformer.inference.runner import ModelRunner
+from tformer.inference.sampling import SamplingParams, make_generator
+from tformer.inference.scheduler import Scheduler, Sequence, Status
+from tformer.inference.text import Tokenizer
+
+
+class ContextLengthError(RequestError):
+    """A request that does not fit the model's context; `param` names the part to change ("prompt" or the
+    max-tokens parameter the caller named)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's books: sample 0 from the start, samples 1..n-1 once the prompt is cached, or its beams."""
+
+    request_id: str
+    params: SamplingParams
+    samples: list[Sequence] = field(default_factory=list)  # samples[i].index == i
+    beams: BeamGroup | None = None
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence of the request still in the engine's books."""
+        return self.samples + (self.beams.live if self.beams is not None else [])
+
+    def fork(self, parent: Sequence, allocator: BlockAllocator) -> list[Sequence]:
+        """Samples 1..n-1 of a request whose prompt is now cached: each shares every block of the prompt, and
+        arrived with the request."""
+        children = []
+        for i in range(1, self.params.n):
+            seed = None if self.params.seed is None else self.params.seed + i
+            children.append(
+                Sequence(
+                    parent.request_id,
+                    parent.prompt,
+                    parent.params,
+                    None if self.params.greedy else make_generator(seed),
+                    table=allocator.fork(parent.table),
+                    n_computed=parent.n_computed,
+                    draft_computed=parent.draft_computed,
+                    status=Status.RUNNING,
+                    arrival=parent.arrival,
+                    source=parent.source,
+                    encoder_state=parent.encoder_state,
+                    index=i,
+                    block_hashes=list(parent.block_hashes),
+                )
+            )
+        self.samples += children
+        return children
+
+
+class InputProcessor:
+    """Prompts in: tokenization, validation, the context-length rule and the request's first sequence."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        max_model_len: int,
+        scheduler: Scheduler,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.scheduler = scheduler
+        bos = getattr(tokenizer, "bos_id", None)
+        self.bos_id = 1 if bos is None else bos
+
+    def room(self, prompt_len: int) -> int:
+        """How many tokens a prompt of prompt_len tokens leaves in the context (the longest max_tokens)."""
+        decoder_prompt, _ = self.runner.context_lengths(prompt_len)
+        return self.max_model_len - decoder_prompt
+
+    def check_context(self, prompt_len: int, max_tokens: int, tokens_param: str = "max_tokens") -> None:
+        """Raises ContextLengthError when a prompt of prompt_len tokens, or it with max_tokens more, overflows the
+        context; `tokens_param` is the name the caller gave max_tokens (the message and `param` use it)."""
+        _, source = self.runner.context_lengths(prompt_len)
+        if source > self.max_model_len:
+            raise ContextLengthError(
+                f"the source has {source} tokens; the model reads at most {self.max_model_len}; shorten it", "prompt"
+            )
+        room = self.room(prompt_len)
+        if room < 1:
+            raise ContextLengthError(
+                f"the prompt has {prompt_len} tokens but the model's context holds {self.max_model_len}; shorten it",
+                "prompt",
+            )
+        if max_tokens > room:
+            raise ContextLengthError(
+                f"{tokens_param}={max_tokens} is beyond the context: the prompt's {prompt_len} tokens leave room "
+                f"for {room} of the {self.max_model_len}; use {tokens_param} <= {room}",
+                tokens_param,
+            )
+
+    def new_sequence(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> Sequence:
+        """The request's first sequence; raises RequestError when the engine cannot serve it."""
+        ids = self.encode(prompt)
+        self.check_context(len(ids), params.max_tokens)
+        decoder_prompt, source = self.runner.split_prompt(ids, self.bos_id)
+        # every beam may need its own blocks in the end; a beam group that fits alone can always make progress
+        blocks = self.scheduler.max_blocks_held(len(decoder_prompt) + params.max_tokens) * params.beam_width
+        pool = self.scheduler.allocator.pool.num_blocks
+        if blocks > pool:
+            raise RequestError(f"the request needs {blocks} KV blocks; the pool has {pool}")
+        generator = None if params.greedy else make_generator(params.seed)
+        return Sequence(request_id, decoder_prompt, params, generator, source=source)
+
+    def encode(self, prompt: str | Seq[int]) -> list[int]:
+        """The prompt's token ids, checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer: pass the prompt as a list of token ids")
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except (TypeError, ValueError) as err:  # e.g. a lone UTF-16 surrogate from a JSON body
+                raise RequestError(f"the prompt cannot be tokenized: {err}") from None
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("the prompt is empty; send at least one token")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise RequestError(f"prompt token ids must be in [0, {self.vocab_size}), got {min(ids)}..{max(ids)}")
+        return ids
