@@ -54,8 +54,8 @@ def test_config_json_that_is_not_json(gpt2_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"architectures": ["T5ForConditionalGeneration"]}, "unsupported architecture 'T5ForConditionalGeneration'"),
-        ({"architectures": None, "model_type": "t5"}, "unsupported model_type 't5'"),
+        ({"architectures": ["PegasusModel"]}, "unsupported architecture 'PegasusModel'"),
+        ({"architectures": None, "model_type": "pegasus"}, "unsupported model_type 'pegasus'"),
     ],
 )
 def test_unsupported_architecture_lists_the_supported_ones(gpt2_dir: Path, changes: dict, message: str) -> None:

@@ -17,10 +17,10 @@ from tformer.errors import ConfigError
 from tformer.files import read_mapping
 
 FAMILIES = ("encoder-decoder", "decoder", "encoder", "ssm", "lstm-encoder-decoder")
-POSITION_NAMES = ("sinusoidal", "learned", "rope", "alibi", "none")
+POSITION_NAMES = ("sinusoidal", "learned", "rope", "alibi", "t5", "none")
 SINUSOIDAL_LAYOUT_NAMES = ("interleaved", "split")
 ROPE_SCALINGS = ("none", "linear", "dynamic-ntk", "yarn")
-FFN_NAMES = ("relu", "gelu", "gelu-tanh", "silu", "swiglu", "geglu")
+FFN_NAMES = ("relu", "gelu", "gelu-tanh", "silu", "swiglu", "geglu", "geglu-tanh")
 NORM_NAMES = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 ATTENTION_BACKEND_NAMES = ("sdpa", "math")
@@ -134,6 +134,8 @@ class ModelConfig(ConfigBase):
     rope_original_max_len: int | None = None  # context the model was trained on; None: max_seq_len
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    relative_attention_buckets: int = 32  # position 't5': buckets of relative distance, each a learned bias per head
+    relative_attention_max_distance: int = 128  # position 't5': distances from here on share the last bucket
 
     # sublayers
     ffn: str = "relu"
@@ -150,6 +152,7 @@ class ModelConfig(ConfigBase):
     tie_embeddings: bool = True  # output projection shares the (target) token embedding
     share_embeddings: bool = True  # encoder-decoder: source and target share one embedding
     lm_head_bias: bool = False
+    scale_decoder_output: bool = False  # T5 (tied head): decoder output * d_model**-0.5 before the output projection
     encoder_head: str = "mlm"  # family 'encoder': "mlm" outputs vocabulary logits, "none" the hidden states
     lstm_hidden: int | None = None  # family 'lstm-encoder-decoder': LSTM width, even (bidirectional); None: d_model
     num_labels: int | None = None  # classification heads: the number of classes (models/heads.py)
@@ -158,6 +161,7 @@ class ModelConfig(ConfigBase):
     # attention
     sliding_window: int | None = None
     attention_backend: str = "sdpa"
+    scale_attention: bool = True  # scores q.k / sqrt(head_dim); T5 leaves them unscaled (folded into its init)
     attention: str = "softmax"  # self-attention: "softmax", "longformer" (local window + global tokens), "performer"
     attention_window: int = 512  # longformer: each token sees attention_window // 2 neighbours on each side
     performer_features: int = 256  # performer: random features approximating the softmax kernel (FAVOR+)
@@ -259,6 +263,7 @@ class ModelConfig(ConfigBase):
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
         if self.sinusoidal_base <= 1 or self.rope_theta <= 1:
             raise ConfigError("sinusoidal_base and rope_theta must be greater than 1 (the paper uses 10000)")
+        self._check_relative_buckets()
 
     def _check_attention(self) -> None:
         if self.attention == "longformer":
@@ -273,16 +278,18 @@ class ModelConfig(ConfigBase):
                     f"attention_window must be a positive even number (each token sees attention_window // 2 "
                     f"neighbours on each side), got {self.attention_window}"
                 )
-            if self.position == "alibi":
+            if self.position in ("alibi", "t5") or not self.scale_attention:
                 raise ConfigError(
                     "attention 'longformer' computes banded scores without a bias matrix, so it cannot add ALiBi's "
-                    "bias; use position 'learned', 'sinusoidal' or 'rope'"
+                    "or T5's bias, and it always scales them; use position 'learned', 'sinusoidal' or 'rope' and "
+                    "scale_attention: true"
                 )
         if self.attention == "performer":
-            if self.position == "alibi" or self.sliding_window is not None:
+            if self.position in ("alibi", "t5") or self.sliding_window is not None:
                 raise ConfigError(
                     "attention 'performer' approximates softmax attention without a score matrix, so it cannot add "
-                    "ALiBi's bias or a sliding window; use position 'rope' or 'sinusoidal' and no sliding_window"
+                    "ALiBi's or T5's bias or a sliding window; use position 'rope' or 'sinusoidal' and no "
+                    "sliding_window"
                 )
             if self.performer_features < 1:
                 raise ConfigError(f"performer_features must be at least 1, got {self.performer_features}")
@@ -317,6 +324,17 @@ class ModelConfig(ConfigBase):
                 f"family 'lstm-encoder-decoder' has no self-attention layers, so {', '.join(keys)} cannot apply; "
                 f"remove {', '.join(keys)} (defaults: none, softmax, false, 0) or use family 'encoder-decoder'"
             )
+
+    def _check_relative_buckets(self) -> None:
+        buckets, distance = self.relative_attention_buckets, self.relative_attention_max_distance
+        if buckets < 4 or distance <= buckets // 2:
+            raise ConfigError(
+                f"relative_attention_buckets must be at least 4 and relative_attention_max_distance above half of "
+                f"them (exact buckets come first, then log-spaced ones up to the distance); got {buckets} and "
+                f"{distance} (T5 uses 32 and 128)"
+            )
+        if self.scale_decoder_output and not self.has_decoder:
+            raise ConfigError(f"scale_decoder_output scales a decoder's output, but family '{self.family}' has none")
 
     def _check_derived(self) -> None:
         if self.position == "rope" and self.head_dim % 2:

@@ -78,6 +78,33 @@ _BERT = {  # post-norm encoder, learned positions + segments, embedding LayerNor
     "attn_dropout": 0.1,
 }
 
+_T5 = {  # T5: relative position buckets, pre-RMSNorm, no biases, unscaled scores, tied head on a scaled output
+    "family": "encoder-decoder",
+    "vocab_size": 32128,
+    "max_seq_len": 512,
+    "position": "t5",
+    "ffn": "relu",
+    "ffn_bias": False,
+    "attn_bias": False,
+    "norm": "rmsnorm",
+    "norm_eps": 1e-6,
+    "norm_placement": "pre",
+    "scale_embeddings": False,
+    "scale_attention": False,
+    "tie_embeddings": True,
+    "share_embeddings": True,
+    "scale_decoder_output": True,
+    "init": "normal",
+    "dropout": 0.1,
+    "attn_dropout": 0.1,
+}
+_T5_V1_1 = {**_T5, "ffn": "geglu-tanh", "tie_embeddings": False, "scale_decoder_output": False}  # gated, untied
+
+
+def _t5(base: dict[str, Any], d_model: int, n_layers: int, n_heads: int, d_ff: int) -> dict[str, Any]:
+    layers = {"n_encoder_layers": n_layers, "n_decoder_layers": n_layers}
+    return {**base, "d_model": d_model, "n_heads": n_heads, "head_dim": 64, "d_ff": d_ff, **layers}
+
 
 def _gpt2(d_model: int, n_layers: int, n_heads: int, **extra: Any) -> dict[str, Any]:
     return {**_GPT2, "d_model": d_model, "n_decoder_layers": n_layers, "n_heads": n_heads, "d_ff": 4 * d_model, **extra}
@@ -125,6 +152,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_theta": 100000.0,
         "tie_embeddings": True,
     },
+    "t5-small": _t5(_T5, 512, 6, 8, 2048),
+    "t5-base": _t5(_T5, 768, 12, 12, 3072),
+    "t5-v1_1-small": _t5(_T5_V1_1, 512, 8, 6, 1024),
+    "t5-v1_1-base": _t5(_T5_V1_1, 768, 12, 12, 2048),
     # tiny configs for tests and smoke runs, one per family
     "tiny-transformer": {
         **_PAPER,
@@ -146,6 +177,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "n_kv_heads": 2,
         "d_ff": 80,
         "max_seq_len": 64,
+    },
+    "tiny-t5": {
+        **_T5_V1_1,
+        "vocab_size": 97,
+        "d_model": 32,
+        "n_encoder_layers": 2,
+        "n_decoder_layers": 2,
+        "n_heads": 4,
+        "d_ff": 64,
+        "max_seq_len": 64,
+        "relative_attention_buckets": 8,
+        "relative_attention_max_distance": 16,
     },
     "tiny-bert": {
         **_BERT,

@@ -1,10 +1,11 @@
 """Import and export of local Hugging Face model directories: config.json plus safetensors weights.
 
 `from_hf(path)` reads GPT-2, LLaMA, Mistral, BERT (masked LM, bare encoder, sequence or token classifier),
-Longformer (masked LM or bare encoder), BART and Marian checkpoints, in one model.safetensors or in shards listed
+Longformer (masked LM or bare encoder), BART, Marian and T5 checkpoints, in one model.safetensors or in shards listed
 by model.safetensors.index.json, into a tformer model.
 `to_hf(model, path)` writes a directory that `transformers.AutoModel*.from_pretrained` loads. What each architecture
-means is data in `hf_decoders`, `hf_encoders` and `hf_longformer`; this module reads and writes files and checks them.
+means is data in `hf_decoders`, `hf_encoders`, `hf_longformer` and `hf_t5`; this module reads and writes files and
+checks them.
 
 Nothing is ever unpickled: a directory with only pytorch_model.bin is refused with a way to convert it.
 """
@@ -29,6 +30,7 @@ from tformer.interop.hf_encoders import BART, BERT_MLM, BERT_MODEL, BERT_SEQUENC
 from tformer.interop.hf_files import WEIGHTS, WEIGHTS_INDEX, Weights, listed, open_weights
 from tformer.interop.hf_longformer import LONGFORMER_MLM, LONGFORMER_MODEL
 from tformer.interop.hf_spec import COPY, SAME, Entry, Family, HFFields, Table, Transform, UnsupportedHFConfig
+from tformer.interop.hf_t5 import T5
 from tformer.models import CheckpointError, TransformerModel, assign_weights, build_model
 
 CONFIG_JSON = "config.json"
@@ -65,6 +67,7 @@ FAMILIES: dict[str, Family] = {
         LONGFORMER_MODEL,
         BART,
         MARIAN,
+        T5,
     )
 }
 # the architecture read when config.json names only a model_type
@@ -76,6 +79,7 @@ MODEL_TYPES: dict[str, str] = {
     "longformer": "LongformerModel",
     "bart": "BartForConditionalGeneration",
     "marian": "MarianMTModel",
+    "t5": "T5ForConditionalGeneration",
 }
 # what `to_hf` tries, in order, for each tformer family: the first that holds the config exactly is written
 EXPORTS: dict[str, tuple[str, ...]] = {
@@ -88,7 +92,7 @@ EXPORTS: dict[str, tuple[str, ...]] = {
         "LongformerForMaskedLM",
         "LongformerModel",
     ),
-    "encoder-decoder": ("BartForConditionalGeneration", "MarianMTModel"),
+    "encoder-decoder": ("BartForConditionalGeneration", "MarianMTModel", "T5ForConditionalGeneration"),
 }
 
 
@@ -110,9 +114,11 @@ def from_hf(
     path = Path(path)
     hf_config = read_hf_config(path)
     family = family_of(hf_config, path / CONFIG_JSON)
-    config = config_from_hf(family, hf_config, path / CONFIG_JSON)
-    model = build_model(config, initialize=False).to(dtype)  # free on the meta device
     with open_weights(path) as weights:
+        if family.complete_config is not None:
+            hf_config = family.complete_config(hf_config, weights.names)
+        config = config_from_hf(family, hf_config, path / CONFIG_JSON)
+        model = build_model(config, initialize=False).to(dtype)  # free on the meta device
         base, head = family.tensors(config)
         table = {_base_prefix(family, base, weights.names) + name: entry for name, entry in base.items()} | head
         check_tensors(weights, table, family, model, path)

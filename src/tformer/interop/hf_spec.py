@@ -5,7 +5,8 @@ A `Family` says, for one `architectures` entry of config.json:
   a rename (activations, RoPE scaling, embedding sharing), in both directions;
 - which checkpoint tensor comes from which tformer tensors. Tables are keyed by the Hugging Face name; an entry
   is the tformer name of the same tensor, or a tuple of tformer names with the `Transform` between them.
-The families themselves live in `hf_decoders` and `hf_encoders`; `tformer.interop.hf` walks their tables.
+The families themselves live in `hf_decoders`, `hf_encoders`, `hf_longformer` and `hf_t5`; `tformer.interop.hf`
+walks their tables.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class Family:
     dropped: tuple[str, ...] = ()  # weights tformer has no place for: dropped with a warning
     dropped_note: str = ""
     loose: tuple[str, ...] = ()  # fields read from config.json that export does not need to keep
+    # config.json completed from the checkpoint's tensor names, when it alone does not say (T5's head tying)
+    complete_config: Callable[[dict[str, Any], set[str]], dict[str, Any]] | None = None
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------------

@@ -177,6 +177,8 @@ class Attention(nn.Module):
     Set `keep_weights` to store the last attention weights (math backend) in `last_weights`.
     Under tensor parallelism the projections hold a slice of the heads; `heads` then names which ones, so that a
     per-head bias (ALiBi) is sliced to match.
+    Without `scale_attention` (T5) the scores are plain q.k: every kernel divides by sqrt(head_dim), so the
+    queries are multiplied by it first.
     """
 
     def __init__(self, config: ModelConfig, cross: bool = False) -> None:
@@ -193,6 +195,7 @@ class Attention(nn.Module):
         self.keep_weights = False
         self.last_weights: torch.Tensor | None = None
         self.heads = slice(None)  # the query heads this module computes: all of them unless sharded
+        self.query_scale = 1.0 if config.scale_attention else math.sqrt(self.head_dim)
 
     def forward(
         self,
@@ -206,6 +209,8 @@ class Attention(nn.Module):
         """x (B, T, d) -> (B, T, d). With a self-attention `cache`, x holds the tokens at `cache_positions`."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
         if not self.cross:
             k, v = self.project_kv(x)
             if rotary is not None:

@@ -16,6 +16,7 @@ ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "silu": nn.SiLU,  # a plain (not gated) Swish MLP, as in Marian
     "swiglu": nn.SiLU,  # Swish with beta = 1
     "geglu": nn.GELU,
+    "geglu-tanh": lambda: nn.GELU(approximate="tanh"),  # T5 v1.1's gated-gelu (gelu_new)
 }
 
 
@@ -53,6 +54,7 @@ FFNS: dict[str, type[nn.Module]] = {
     "silu": MLP,
     "swiglu": GatedMLP,
     "geglu": GatedMLP,
+    "geglu-tanh": GatedMLP,
 }
 
 

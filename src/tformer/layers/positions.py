@@ -1,4 +1,4 @@
-"""Position schemes: sinusoidal, learned, RoPE (with linear / dynamic-NTK / YaRN scaling), ALiBi, none.
+"""Position schemes: sinusoidal, learned, RoPE (with linear / dynamic-NTK / YaRN scaling), ALiBi, T5's buckets, none.
 
 Every scheme answers the same three questions, so a model never branches on the scheme's name:
 - `embed(positions)`: a vector to add to the token embeddings, or None;
@@ -16,6 +16,7 @@ from torch import nn
 
 from tformer.config import ModelConfig
 from tformer.errors import RequestError
+from tformer.layers.relative_position import RelativePositionBias
 
 Rotary = tuple[torch.Tensor, torch.Tensor]
 
@@ -199,15 +200,37 @@ class ALiBiPositions(PositionScheme):
         return -self.slopes[None, :, None, None] * distance[:, None]  # (B, H, Tq, Tk)
 
 
+class RelativeBucketPositions(PositionScheme):
+    """T5: no embeddings; a learned per-head bias for each bucket of relative distance, one table per stack.
+
+    An encoder buckets distances both ways; a decoder (`causal`) only those to earlier keys, as in T5.
+    """
+
+    def __init__(self, config: ModelConfig, causal: bool = False) -> None:
+        super().__init__()
+        self.relative_bias = RelativePositionBias(
+            config.n_heads, config.relative_attention_buckets, config.relative_attention_max_distance, not causal
+        )
+
+    def attention_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        return self.relative_bias(q_pos, k_pos)  # (B|1, H, Tq, Tk)
+
+
 POSITIONS: dict[str, type[PositionScheme]] = {
     "sinusoidal": SinusoidalPositions,
     "learned": LearnedPositions,
     "rope": RotaryPositions,
     "alibi": ALiBiPositions,
+    "t5": RelativeBucketPositions,
     "none": PositionScheme,
 }
 
 
-def make_positions(config: ModelConfig) -> PositionScheme:
-    """The position scheme the config names."""
+def make_positions(config: ModelConfig, causal: bool = False) -> PositionScheme:
+    """The position scheme the config names, for a causal stack (a decoder) or a bidirectional one.
+
+    Only T5's buckets depend on the direction, so only they are told it.
+    """
+    if config.position == "t5":
+        return RelativeBucketPositions(config, causal)
     return POSITIONS[config.position](config)

@@ -120,12 +120,14 @@ class TransformerStack(nn.Module):
         n_layers = config.n_decoder_layers if self.causal else config.n_encoder_layers
         self.tokens = tokens
         self.token_types = nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
-        self.positions = make_positions(config)
+        self.positions = make_positions(config, causal=self.causal)
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
         self.embed_norm = make_norm(config) if config.embedding_norm else None
         self.dropout = Dropout(config.dropout)
         self.layers = nn.ModuleList(Block(config, stack, cross_attention) for _ in range(n_layers))
         self.final_norm = make_norm(config) if config.final_norm else nn.Identity()
+        # T5 with a tied head scales the decoder's output, here so that every caller of lm_head gets it
+        self.output_scale = config.d_model**-0.5 if self.causal and config.scale_decoder_output else 1.0
 
     def embed(
         self, tokens: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None = None
@@ -192,7 +194,8 @@ class TransformerStack(nn.Module):
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache[i]
             x = self._run_layer(layer, x, mask, rotary, memory, memory_mask, layer_cache, inputs.cache_slots)
-        return self.final_norm(x)
+        x = self.final_norm(x)
+        return x if self.output_scale == 1.0 else x * self.output_scale
 
     def new_cache(
         self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, rolling: bool = True
