@@ -8,7 +8,7 @@ from conftest import make_model, tiny_config
 from helpers import reference_greedy
 
 from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.paged import kv_bytes_per_token
+from tformer.inference.paged import FREED, kv_bytes_per_token
 from tformer.inference.sampling import SamplingParams
 from tformer.inference.search import beam_search_decoder
 from tformer.info import model_info
@@ -83,3 +83,19 @@ def test_info_reports_the_bytes_the_engine_holds() -> None:
     assert (
         info.kv_bytes_at_context <= held <= info.kv_bytes_at_context + 3 * config.block_size * kv_bytes_per_token(model)
     )
+
+
+def test_prefix_caching_under_a_window_never_publishes_a_freed_entry() -> None:
+    """Prefix caching on: blocks are published when full, before the window frees them, and FREED table entries
+    are never published. A repeat of the prompt hits the cached blocks and beams of it (whose forked tables hold
+    FREED entries, hashed anew) give the offline beam search's hypothesis, both as without a cache."""
+    model = _windowed()
+    prompt = torch.randint(1, 90, (30,), generator=torch.Generator().manual_seed(7)).tolist()
+    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=64, max_batched_tokens=6))
+    first, _ = _run(engine, [prompt])
+    again, _ = _run(engine, [prompt])
+    assert first == again == [reference_greedy(model, prompt, GREEDY.max_tokens)]
+    assert engine.scheduler.prefix_hit_tokens == 28  # every full block but the one with the last prompt token
+    beams = engine.generate([prompt], SamplingParams(max_tokens=10, beam_width=2, length_penalty=0.6))[0]
+    assert beams.token_ids == beam_search_decoder(model, [prompt], 10, -1, 2, 0.6)[0]
+    assert FREED not in engine.allocator.pool.key_of and engine.num_blocks_in_use == 0
