@@ -14,6 +14,7 @@ batch exactly.
     denoising         text infilling, Poisson(3) spans -> one <mask> each; optional
                       sentence permutation                                               BART
     prefix_lm         random split; bidirectional prefix, loss on the suffix only         UniLM / T5 prefix LM
+    classification    one class per sequence <s> x </s> ([CLS] x [SEP]), labels (B,)     BERT fine-tuning
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class LMBatch:
 
     input_ids: torch.Tensor  # (B, T)
     attention_mask: torch.Tensor  # (B, T)
-    labels: torch.Tensor  # (B, T), IGNORE_INDEX where no loss is taken
+    labels: torch.Tensor  # (B, T), IGNORE_INDEX where no loss is taken; (B,) class ids for classification
     prefix_len: torch.Tensor | None = None  # (B,) prefix LM: positions < prefix_len see each other both ways
 
     def to(self, device: torch.device | str) -> LMBatch:
@@ -235,6 +236,15 @@ def prefix_lm(seqs: Sequence[TokenIds], vocab: Vocab, generator: torch.Generator
     return batch
 
 
+def sequence_classification(
+    examples: Sequence[tuple[TokenIds, int]], vocab: Vocab, generator: torch.Generator | None = None
+) -> LMBatch:
+    """One class per sequence: input <s> x </s> (for BERT's tokenizers [CLS] x [SEP], see `vocab_of`), labels the
+    class ids (B,), scored against the sequence-classification head's logits (B, num_labels). No randomness."""
+    input_ids, mask = pad_sequences([[vocab.bos_id, *ids, vocab.eos_id] for ids, _ in examples], vocab.pad_id)
+    return LMBatch(input_ids, mask, torch.tensor([label for _, label in examples], dtype=torch.long))
+
+
 Objective = Callable[..., LMBatch | Seq2SeqBatch]
 OBJECTIVES: dict[str, Objective] = {
     "seq2seq": teacher_forcing,
@@ -243,4 +253,5 @@ OBJECTIVES: dict[str, Objective] = {
     "span_corruption": span_corruption,
     "denoising": denoising,
     "prefix_lm": prefix_lm,
+    "classification": sequence_classification,
 }

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from tformer.config import ConfigBase, ConfigError, ModelConfig
+from tformer.data.genre import GENRE_CORPUS, GENRES
 from tformer.training.lora import LoRAConfig
 
 OPTIMIZERS = ("adam-noam", "adamw-cosine")
@@ -16,6 +17,7 @@ OBJECTIVE_FAMILIES = {  # the model family each objective trains
     "clm": "decoder",
     "prefix_lm": "decoder",
     "mlm": "encoder",
+    "classification": "encoder",  # one class per sequence, with encoder_head sequence-classification
 }
 OBJECTIVE_NAMES = tuple(OBJECTIVE_FAMILIES)
 # families outside OBJECTIVE_FAMILIES: the objectives each trains with
@@ -167,3 +169,18 @@ def check_objective(model: ModelConfig, train: TrainConfig) -> None:
         )
     if train.objective == "mlm" and model.encoder_head != "mlm":
         raise ConfigError("objective 'mlm' needs the MLM head; set model.encoder_head: mlm")
+    if train.objective == "classification":
+        _check_classifier(model, train)
+
+
+def _check_classifier(model: ModelConfig, train: TrainConfig) -> None:
+    if model.encoder_head != "sequence-classification":
+        raise ConfigError(
+            "objective 'classification' needs a sequence-classification head; set model.encoder_head: "
+            "sequence-classification and model.num_labels to the number of classes"
+        )
+    if train.corpus == GENRE_CORPUS and model.num_labels != len(GENRES):
+        raise ConfigError(
+            f"corpus {GENRE_CORPUS} has {len(GENRES)} classes ({', '.join(GENRES)}), but model.num_labels is "
+            f"{model.num_labels}; set model.num_labels: {len(GENRES)}"
+        )

@@ -16,6 +16,7 @@ from tformer.data import (
     read_text,
     seq2seq_lengths,
 )
+from tformer.data.genre import encode_labelled, labelled_split
 from tformer.data.objectives import OBJECTIVES, Objective
 from tformer.data.packing import pack_sequences, packed_causal_lm
 from tformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
@@ -23,6 +24,7 @@ from tformer.training.config import TrainConfig
 from tformer.training.init_from import vocab_of
 
 PARALLEL_OBJECTIVES = ("seq2seq",)
+LABELLED_OBJECTIVES = ("classification",)  # examples are (text, class id): bible:genre or a labelled file
 
 
 @dataclass
@@ -39,6 +41,8 @@ class PreparedData:
 
 def _read_split(config: TrainConfig, split: str) -> list:
     parallel = config.objective in PARALLEL_OBJECTIVES
+    if config.objective in LABELLED_OBJECTIVES:
+        return labelled_split(config.corpus, split, config.dev_corpus)
     if config.corpus.startswith("bible:"):
         pair = config.corpus.split(":", 1)[1]
         if parallel:
@@ -68,12 +72,17 @@ def prepare_data(config: TrainConfig, run_dir: Path, pretrained: Tokenizer | Non
         tokenizer.save(run_dir)
     else:
         texts = [t for pair in train_text for t in pair] if config.objective in PARALLEL_OBJECTIVES else train_text
+        texts = [text for text, _ in train_text] if config.objective in LABELLED_OBJECTIVES else texts
         tokenizer = Tokenizer.train(texts, config.vocab_size, num_sentinels=_sentinels(config))
         tokenizer.save(run_dir)
     if config.objective in PARALLEL_OBJECTIVES:
         encoded = encode_pairs(tokenizer, train_text)
         kept = [ex for ex in encoded if max(len(ex[0]), len(ex[1])) <= config.max_len]
         lengths = seq2seq_lengths(kept)
+    elif config.objective in LABELLED_OBJECTIVES:
+        encoded = encode_labelled(tokenizer, train_text)
+        kept = [(ids, label) for ids, label in encoded if 0 < len(ids) <= config.max_len]
+        lengths = lm_lengths([ids for ids, _ in kept])
     elif config.pack:  # blocks of max_len tokens of the whole stream: no verse is skipped for its length
         encoded = tokenizer.encode_batch(train_text, add_bos=False)
         vocab = vocab_of(tokenizer)  # the ids the objectives use, for tformer's BPE and pretrained tokenizers alike

@@ -1,4 +1,5 @@
-"""Evaluation during and after training: sacreBLEU for translation, perplexity for language models."""
+"""Evaluation during and after training: sacreBLEU for translation, perplexity for language models, accuracy and
+macro-F1 for classifiers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from dataclasses import dataclass
 import sacrebleu
 import torch
 
-from tformer.data import LMBatch, Seq2SeqBatch, Tokenizer
+from tformer.data import LMBatch, Seq2SeqBatch, Tokenizer, Vocab
+from tformer.data.genre import encode_labelled
+from tformer.data.objectives import sequence_classification
 from tformer.inference import translate_ids
 from tformer.models import EncoderDecoder, TransformerModel
 
@@ -87,3 +90,35 @@ def perplexity(model: TransformerModel, batches: Sequence) -> float:
         )
         total, count = total + loss.item(), count + int((batch.labels != -100).sum())
     return math.exp(total / max(count, 1))
+
+
+def classification_scores(predicted: torch.Tensor, labels: torch.Tensor, num_labels: int) -> dict[str, float]:
+    """Accuracy and macro-F1 (the unweighted mean over classes of 2 TP / (2 TP + FP + FN), as scikit-learn's
+    f1_score(average='macro'); a class with no examples and no predictions counts 0) of class ids (N,)."""
+    f1 = []
+    for c in range(num_labels):
+        tp = int(((predicted == c) & (labels == c)).sum())
+        wrong = int(((predicted == c) != (labels == c)).sum())  # false positives and false negatives
+        f1.append(2 * tp / (2 * tp + wrong) if tp + wrong else 0.0)
+    return {"accuracy": (predicted == labels).float().mean().item(), "macro_f1": sum(f1) / num_labels}
+
+
+@torch.no_grad()
+def evaluate_classification(
+    model: TransformerModel,
+    tokenizer: Tokenizer,
+    vocab: Vocab,
+    examples: Sequence[tuple[str, int]],
+    max_len: int,
+    batch_size: int = 64,
+) -> dict[str, float]:
+    """Accuracy and macro-F1 of a sequence classifier on (text, class id) examples, cut to max_len tokens."""
+    model.eval()
+    device = next(model.parameters()).device
+    encoded = [(ids[:max_len], label) for ids, label in encode_labelled(tokenizer, list(examples))]
+    predicted = []
+    for i in range(0, len(encoded), batch_size):
+        batch = sequence_classification(encoded[i : i + batch_size], vocab).to(device)
+        predicted.append(model(batch.input_ids, batch.attention_mask).argmax(-1).cpu())
+    labels = torch.tensor([label for _, label in encoded])
+    return {**classification_scores(torch.cat(predicted), labels, model.config.num_labels), "examples": len(encoded)}

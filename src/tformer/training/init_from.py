@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import Tokenizer, Vocab
 from tformer.interop.gguf import config_from_gguf, is_gguf, open_gguf
@@ -28,6 +30,10 @@ TRAINING_KEYS = ("dropout", "attn_dropout", "activation_checkpointing", "attenti
 # ModelConfig keys that retarget RoPE to a longer context (PI, NTK, YaRN) without changing any weight's shape:
 # fine-tuning at a longer length sets them (docs/long-context.md, "Length extrapolation")
 CONTEXT_KEYS = ("rope_scaling", "rope_factor", "yarn_beta_fast", "yarn_beta_slow")
+
+# ModelConfig keys of an encoder's head: a recipe may put a new head (a classifier) on pretrained weights
+HEAD_KEYS = ("encoder_head", "num_labels", "label_names")
+HEAD_TENSORS = ("mlm_head.", "task_head.")  # the prefixes of the head's tensors, which a new head replaces
 
 # ModelConfig keys that training from scratch sets from the tokenizer, so a preset's values do not count
 TOKENIZER_KEYS = ("vocab_size", "tgt_vocab_size", "pad_token_id")
@@ -84,6 +90,8 @@ def check_agrees(config: ModelConfig, weights: ModelConfig, init_from: str) -> N
             continue
         if field.name in CONTEXT_KEYS and config.position == "rope":
             continue
+        if field.name in HEAD_KEYS and config.family == "encoder":
+            continue
         raise ConfigError(
             f"model.{field.name} is {ours!r} in the recipe, but the weights in {init_from} have {theirs!r}; "
             f"with train.init_from the model comes from the weights: remove model.{field.name} from the recipe "
@@ -104,8 +112,13 @@ def load_init_from(model_config: ModelConfig, init_from: str) -> Pretrained:
             "tokenizer_config.json) beside its weights"
         )
     check_agrees(model_config, loaded.config, init_from)
-    model = build_model(model_config, initialize=False)
-    missing, unexpected, mismatched = assign_weights(model, loaded.state_dict())
+    new_head = any(getattr(model_config, key) != getattr(loaded.config, key) for key in HEAD_KEYS)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # a new head starts from the same random weights in every run
+        model = build_model(model_config, initialize=new_head)
+    state = {k: v for k, v in loaded.state_dict().items() if not (new_head and k.startswith(HEAD_TENSORS))}
+    missing, unexpected, mismatched = assign_weights(model, state)
+    missing = [name for name in missing if not (new_head and name.startswith(HEAD_TENSORS))]
     if missing or unexpected or mismatched:
         raise CheckpointError(f"{init_from}: missing {missing}, unexpected {unexpected}, wrong shapes {mismatched}")
     return Pretrained(model.train(), tokenizer)
@@ -115,10 +128,12 @@ def vocab_of(tokenizer: Tokenizer) -> Vocab:
     """The objectives' special ids for a pretrained tokenizer, whose ids are its own (tformer's BPE puts them at
     0-4). A tokenizer without bos starts sequences with eos (as GPT-2 does); without pad, pads with eos (padding
     is masked out of attention and of the loss)."""
-    eos = tokenizer.eos_id
+    # BERT's tokenizers name no bos or eos: [CLS] and [SEP] play their parts ([CLS] x [SEP])
+    eos = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.token_to_id("[SEP]")
     if eos is None:
         raise ConfigError("the pretrained tokenizer has no eos token, which the objectives end each example with")
-    bos = eos if tokenizer.bos_id is None else tokenizer.bos_id
+    bos = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.token_to_id("[CLS]")
+    bos = eos if bos is None else bos
     pad = eos if tokenizer.pad_id is None else tokenizer.pad_id
     mask = pad if tokenizer.mask_id is None else tokenizer.mask_id
     return Vocab(

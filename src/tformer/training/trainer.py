@@ -61,7 +61,7 @@ from tformer.training.distributed import (
     is_collective_failure,
     parallelize,
 )
-from tformer.training.evaluate import evaluate_translation, forward_logits, perplexity
+from tformer.training.evaluate import evaluate_classification, evaluate_translation, forward_logits, perplexity
 from tformer.training.init_from import load_init_from, vocab_of
 from tformer.training.lora_run import load_weights, with_lora
 from tformer.training.losses import label_smoothed_cross_entropy
@@ -343,12 +343,14 @@ class Trainer:
         The best checkpoint is chosen on the same dev sentences every time, the first `eval_sentences`: the
         final evaluation decodes the whole dev set and reports its BLEU, but competes with the score of those
         first sentences. It comes after the last save, so the other ranks need not wait for its score."""
-        if not self.data.dev or self.config.objective not in ("seq2seq", "clm"):
+        if not self.data.dev or self.config.objective not in ("seq2seq", "clm", "classification"):
             return {}
         dev = self.data.dev[:n_sentences] if n_sentences else self.data.dev
         model = self._consolidated()
         if self.config.objective == "clm":
             return self._evaluate_perplexity(model, dev) if self.dist.is_main else {}
+        if self.config.objective == "classification":
+            return self._evaluate_classes(model, dev) if self.dist.is_main else {}
         result = None
         if self.dist.is_main:
             result = evaluate_translation(
@@ -382,6 +384,13 @@ class Trainer:
         self._log({"step": self.step, "dev_ppl": ppl, "dev_sentences": len(encoded)})
         self.progress.write(f"step {self.step}: dev perplexity {ppl:.2f} on {len(encoded)} lines")
         return {"dev_ppl": ppl, "dev_sentences": len(encoded)}
+
+    def _evaluate_classes(self, model: TransformerModel, examples: list) -> dict:
+        scores = evaluate_classification(model, self.data.tokenizer, self.vocab, examples, self.config.max_len)
+        scores = {f"dev_{key}": value for key, value in scores.items()}
+        self._log({"step": self.step, **scores})
+        self.progress.write(f"step {self.step}: dev accuracy {scores['dev_accuracy']:.4f} on {len(examples)} examples")
+        return scores
 
     def _final_evaluation(self, evaluate: bool = True) -> dict:
         """The whole dev set's score (skipped after Ctrl-C, which should exit promptly) and the curves PNG."""
