@@ -8,6 +8,7 @@ import torch
 
 from tformer import ConfigError, ModelConfig
 from tformer.training.estimate import estimate_memory, format_estimate, load_inputs
+from tformer.training.lora import LoRAConfig
 from tformer.training.memory import LiveTensorTracker, measure_training_step
 
 LLAMA2_7B_PARAMS = 6_738_415_616
@@ -116,6 +117,7 @@ def test_recipe_inputs_follow_the_train_section():
         "dtype": "bf16-autocast",
         "optimizer": "adam-noam",
         "stage": 0,
+        "lora": None,  # a full training run: every parameter trains
     }
     assert model.vocab_size == 4000  # the recipe's tokenizer, as the trainer builds the model
     preset, defaults = load_inputs("tiny-llama")
@@ -132,6 +134,54 @@ def test_a_fine_tuning_recipe_counts_the_pretrained_models_parameters(tmp_path: 
     recipe.write_text(f"train:\n  init_from: {tmp_path / 'base'}\n  objective: clm\n  vocab_size: 8000\n")
     model, _ = load_inputs(str(recipe))
     assert estimate_memory(model, batch_tokens=64, seq_len=32).n_params == pretrained.num_parameters()
+
+
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "targets"),
+    [
+        ("tiny-llama", "fp32", ("q_proj", "v_proj")),  # the LoRA paper's choice: most layers stay frozen
+        ("tiny-llama", "bf16-autocast", ALL_PROJECTIONS),
+        ("tiny-transformer", "fp32", ("q_proj", "v_proj")),  # cross-attention's q_proj and v_proj too
+    ],
+)
+def test_a_lora_estimate_matches_the_measured_peak_of_a_lora_step(name, dtype, targets):
+    """Under LoRA only the adapters have gradients and Adam state, and frozen layers save less for backward; the
+    full fine-tune's estimate of the same model is far above the measured LoRA step, so the test can fail."""
+    overrides = {"attention_backend": "math"} if name == "tiny-llama" else {}
+    config = ModelConfig.from_preset(name, d_model=256, d_ff=512, vocab_size=500, **overrides)
+    lora = LoRAConfig(rank=8, target_modules=targets)
+    measured = measure_training_step(config, 8, 32, dtype, lora=lora)
+    estimate = estimate_memory(config, 256, 32, dtype, lora=lora)
+    assert estimate.total == pytest.approx(measured.peak_bytes, rel=0.15)
+    assert estimate.weights + estimate.optimizer_state == pytest.approx(measured.start_bytes, rel=0.02)
+    assert estimate_memory(config, 256, 32, dtype).total > 1.3 * measured.peak_bytes
+    per_adapter = {"q_proj": 256 + config.n_heads * config.head_dim}  # rank x (in + out) for each adapted layer
+    if targets == ("q_proj", "v_proj") and name == "tiny-llama":
+        kv_out = config.n_kv_heads * config.head_dim
+        adapters = 8 * config.n_decoder_layers * (per_adapter["q_proj"] + 256 + kv_out)
+        assert estimate.trainable == adapters
+        assert estimate.gradients == 4 * adapters
+
+
+def test_a_lora_recipe_estimates_its_adapters(tmp_path: Path) -> None:
+    from tformer import build_model
+
+    pretrained = build_model(ModelConfig.from_preset("tiny-llama", vocab_size=500))
+    pretrained.save(tmp_path / "base")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"train:\n  init_from: {tmp_path / 'base'}\n  objective: clm\nlora:\n  rank: 4\n  target_modules: [q_proj]\n"
+    )
+    model, inputs = load_inputs(str(recipe))
+    assert inputs["lora"] == LoRAConfig(rank=4, target_modules=("q_proj",))
+    inputs.update(batch_tokens=64, seq_len=32)
+    estimate = estimate_memory(model, **inputs)
+    q_out = model.n_heads * model.head_dim
+    assert estimate.trainable == 4 * model.n_decoder_layers * (model.d_model + q_out)
+    assert "LoRA trains" in format_estimate("recipe", model, estimate)
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ from tformer.info import format_bytes
 from tformer.layers import Block
 from tformer.models import build_model
 from tformer.training.config import OBJECTIVE_FAMILIES, TrainConfig
+from tformer.training.lora import LoRAConfig, LoRALinear, apply_lora
 from tformer.training.memory import (
     PRECISIONS,
     Precision,
@@ -63,6 +64,7 @@ class MemoryEstimate:
     stage: int
     world_size: int
     optimizer: str
+    trainable: int = 0  # parameters that train: all of them, or only LoRA's adapters
 
     @property
     def total(self) -> int:
@@ -77,31 +79,38 @@ class MemoryEstimate:
 @dataclass
 class _Counts:
     n_params: int
-    tensors: int  # parameter tensors (one Adam step counter each)
+    trainable: int  # parameters that train (LoRA: only the adapters)
+    tensors: int  # parameter tensors that train (one Adam step counter each)
     buffers: int  # bytes of registered buffers in fp32 (sinusoidal tables, RoPE frequencies)
     linear: int  # weights of nn.Linear modules, which autocast casts to bf16 (a tied head counts its table)
     head_weight: int  # the output projection's weight
     block: int  # parameters of the largest block: what ZeRO-3 gathers at once
     root: int  # parameters outside the blocks (embeddings, final norm, head), kept gathered by FSDP's root
+    adapter_ranks: int  # LoRA: the sum of the adapted layers' ranks, the width each token saves for backward
 
 
-def _counts(config: ModelConfig) -> _Counts:
+def _counts(config: ModelConfig, lora: LoRAConfig | None = None) -> _Counts:
     with torch.device("meta"):
         model = build_model(config, initialize=False)
+        if lora is not None:
+            apply_lora(model, lora)
     params = {id(p): p for p in model.parameters()}
+    adapted = [m for m in model.modules() if isinstance(m, LoRALinear)]
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, LoRALinear))]
     head = model.mlm_head if config.family == "encoder" else model.lm_head
     head = getattr(head, "lm_head", head)  # the MLM head ends in the vocabulary projection
     return _Counts(
         n_params=sum(p.numel() for p in params.values()),
-        tensors=len(params),
+        trainable=sum(p.numel() for p in params.values() if p.requires_grad),
+        tensors=sum(p.requires_grad for p in params.values()),
         buffers=sum(b.numel() * 4 for b in model.buffers() if b.is_floating_point()),
         linear=sum(m.weight.numel() for m in linears),
         head_weight=head.weight.numel() if isinstance(head, nn.Linear) else 0,
         block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
         root=sum(p.numel() for i, p in params.items() if i not in in_blocks),
+        adapter_ranks=sum(m.config.rank for m in adapted),
     )
 
 
@@ -142,9 +151,9 @@ def _model_states(n: _Counts, p: Precision, optimizer: str, stage: int, world_si
     """Weights (and buffers), gradients and optimizer state (with Adam's step counters) per rank."""
     shard = {part: world_size if stage >= first else 1 for part, first in (("w", 3), ("g", 2), ("s", 1))}
     weights = n.n_params * p.weight // shard["w"] + n.buffers * p.weight // 4
-    gradients = n.n_params * p.weight // shard["g"]
+    gradients = n.trainable * p.weight // shard["g"]
     n_states = OPTIMIZER_STATES[optimizer]
-    states = n.n_params * (p.master + n_states * p.state) + (4 * n.tensors if n_states else 0)
+    states = n.trainable * (p.master + n_states * p.state) + (4 * n.tensors if n_states else 0)
     return weights, gradients, states // shard["s"]
 
 
@@ -158,24 +167,29 @@ def estimate_memory(
     world_size: int = 1,
     optimizer: str = "adam",
     device: str = "cpu",
+    lora: LoRAConfig | None = None,
 ) -> MemoryEstimate:
     """Predicts the peak training memory of one rank for `config`.
 
     batch_tokens: tokens of one micro-batch on one rank (train.max_tokens); an encoder-decoder holds this many
     on each side. seq_len: padded length of its sequences. dtype: one of PRECISIONS. checkpointing: activation
     checkpointing per block (None: the config's activation_checkpointing). stage: ZeRO stage over `world_size`
-    data-parallel ranks. device: "cpu" or "cuda", where bf16 attention over short sequences differs.
+    data-parallel ranks. device: "cpu" or "cuda", where bf16 attention over short sequences differs. lora: train
+    only these LoRA adapters (the recipe's `lora:` section): gradients and optimizer state shrink to the adapters',
+    and each token also saves every adapter's rank-wide hidden vector.
     """
     _check(config, batch_tokens, seq_len, dtype, stage, world_size, optimizer, device)
     checkpointing = config.activation_checkpointing if checkpointing is None else checkpointing
     config = dataclasses.replace(config, activation_checkpointing=checkpointing)
-    p, n, tokens = PRECISIONS[dtype], _counts(config), batch_tokens
+    p, n, tokens = PRECISIONS[dtype], _counts(config, lora), batch_tokens
     weights, gradients, states = _model_states(n, p, optimizer, stage, world_size)
-    per_token, largest_block = activations_per_token(config, seq_len, p, device)
-    head = head_terms(config, p)
-    activations = round(tokens * (per_token + head.saved))
+    adapted = None if lora is None else frozenset(t.rpartition(".")[2] for t in lora.target_modules)
+    per_token, largest_block = activations_per_token(config, seq_len, p, device, adapted)
+    head_trains = lora is None
+    head = head_terms(config, p, head_trains)
+    activations = round(tokens * (per_token + head.saved + n.adapter_ranks * p.compute))
     # a block's backward, after the loss's has freed the log-probabilities; with checkpointing it recomputes first
-    head_gradient = n.head_weight * p.weight // (world_size if stage >= 2 else 1)
+    head_gradient = n.head_weight * p.weight // (world_size if stage >= 2 else 1) if head_trains else 0
     block = tokens * (backward_temporaries(config, seq_len, p, device) - head.log_probs) + head_gradient
     block += tokens * largest_block if checkpointing else 0
     temporaries = round(max(tokens * head.loss_buffers, block))
@@ -200,6 +214,7 @@ def estimate_memory(
         stage=stage,
         world_size=world_size,
         optimizer=optimizer,
+        trainable=n.trainable,
     )
 
 
@@ -209,8 +224,9 @@ def format_estimate(name: str, config: ModelConfig, estimate: MemoryEstimate) ->
     sharding = ZERO_STAGES[e.stage] + (f" over {e.world_size} ranks" if e.world_size > 1 else "")
     moment = "backward starts" if e.backward_start >= e.step else "the optimizer steps"
     per_param = e.model_states / e.n_params
+    adapters = f"; LoRA trains {e.trainable:,} of them" if e.trainable < e.n_params else ""
     lines = [
-        f"model            {name} ({config.family}, d_model={config.d_model}, {e.n_params:,} parameters)",
+        f"model            {name} ({config.family}, d_model={config.d_model}, {e.n_params:,} parameters{adapters})",
         f"batch            {e.batch_tokens:,} tokens per rank in sequences of {e.seq_len:,}; {e.dtype}, "
         f"{e.optimizer}, checkpointing {'on' if e.checkpointing else 'off'}",
         f"sharding         ZeRO stage {e.stage}: {sharding}",
@@ -244,6 +260,7 @@ def recipe_inputs(model: ModelConfig, train: TrainConfig) -> tuple[ModelConfig, 
         "dtype": "bf16-autocast" if train.bf16 else "fp32",
         "optimizer": train.optimizer,
         "stage": FSDP_STAGES[train.fsdp_sharding] if sharded else 0,
+        "lora": train.lora_config,
     }
 
 

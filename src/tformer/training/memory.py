@@ -37,6 +37,7 @@ from tformer.errors import ConfigError
 from tformer.layers.masks import DENSE_BIAS_MAX_ENTRIES
 from tformer.models import build_model
 from tformer.training.evaluate import forward_logits
+from tformer.training.lora import LoRAConfig, apply_lora
 from tformer.training.losses import label_smoothed_cross_entropy
 from tformer.training.optim import adamw_cosine, paper_adam
 
@@ -83,8 +84,16 @@ def _norm(config: ModelConfig, in_bytes: int) -> float:
     return 4 * d + in_bytes * d + 4  # an fp32 copy of the input, the normalised tensor cast back, 1/rms
 
 
+def _trained(adapted: frozenset[str] | None, *names: str) -> int:
+    """How many of the linear layers `names` train: all of them, or under LoRA those with an adapter."""
+    return len(names) if adapted is None else sum(name in adapted for name in names)
+
+
 def _linear_inputs(config: ModelConfig, p: Precision, n_linears: int, in_bytes: int) -> float:
-    """A linear layer saves its input; under autocast each of `n_linears` saves its own bf16 copy of fp32."""
+    """Linear layers that train save their input; under autocast each of `n_linears` saves its own bf16 copy of
+    fp32. A frozen layer (LoRA's base layers without an adapter) needs only its weight for backward."""
+    if n_linears == 0:
+        return 0.0
     if p.autocast and in_bytes == 4:
         return n_linears * 2 * config.d_model
     return in_bytes * config.d_model
@@ -101,12 +110,16 @@ def attention_path(config: ModelConfig, keys: int, p: Precision, device: str) ->
     return "fallback" if device == "cpu" and config.attn_dropout > 0 else "fused"
 
 
-def _attention(config: ModelConfig, keys: int, p: Precision, device: str, cross: bool) -> float:
+def _attention(
+    config: ModelConfig, keys: int, p: Precision, device: str, cross: bool, adapted: frozenset[str] | None = None
+) -> float:
     """Bytes per query token inside attention: q, k, v, the output and, off the fused path, the weights."""
     c, heads = p.compute, config.n_heads
     q_dim, kv_dim = heads * config.head_dim, config.n_kv_heads * config.head_dim
     kv = 2 * kv_dim  # elements of k and v per key token; cross-attention reads a source of the same length
-    copies = _linear_inputs(config, p, 2, p.residual) if cross and p.autocast else 0  # k_proj, v_proj of memory
+    memory_projections = _trained(adapted, "k_proj", "v_proj")  # of the memory, under autocast
+    copies = _linear_inputs(config, p, memory_projections, p.residual) if cross and p.autocast else 0
+    output = 0 if _trained(adapted, "out_proj") == 0 and path_saves_output(config, keys, p, device) else q_dim * c
     path = attention_path(config, keys, p, device)
     if path == "fused":
         return (2 * q_dim + kv) * c + 4 * heads + copies  # q, k, v, output, fp32 log-sum-exp
@@ -119,7 +132,13 @@ def _attention(config: ModelConfig, keys: int, p: Precision, device: str, cross:
         weights += (1 + c) * heads * keys  # keep-mask and the dropped weights
     elif c != 4:
         weights += c * heads * keys  # the softmax cast back to the compute dtype
-    return (2 * q_dim + kv) * c + weights + copies  # q, k, v, weights, output (a contiguous copy)
+    return (q_dim + kv) * c + output + weights + copies  # q, k, v, weights, output (a contiguous copy)
+
+
+def path_saves_output(config: ModelConfig, keys: int, p: Precision, device: str) -> bool:
+    """Whether the output copy in `_attention` is saved for out_proj alone (the math path; fused kernels keep
+    their output for their own backward)."""
+    return attention_path(config, keys, p, device) == "math"
 
 
 def _sublayer(config: ModelConfig, p: Precision, n_linears: int, internals: float) -> float:
@@ -131,13 +150,22 @@ def _sublayer(config: ModelConfig, p: Precision, n_linears: int, internals: floa
     return saved + (config.d_model if config.dropout > 0 else 0)
 
 
-def layer_per_token(config: ModelConfig, seq_len: int, p: Precision, device: str, cross: bool) -> float:
-    """Bytes per token one block saves: self-attention, cross-attention when `cross`, FFN."""
-    saved = _sublayer(config, p, 3, _attention(config, seq_len, p, device, cross=False))
+def layer_per_token(
+    config: ModelConfig, seq_len: int, p: Precision, device: str, cross: bool, adapted: frozenset[str] | None = None
+) -> float:
+    """Bytes per token one block saves: self-attention, cross-attention when `cross`, FFN. `adapted`: under LoRA,
+    the names of the linear layers with adapters (the others are frozen); None when every layer trains."""
+    attention = _attention(config, seq_len, p, device, False, adapted)
+    saved = _sublayer(config, p, _trained(adapted, "q_proj", "k_proj", "v_proj"), attention)
     if cross:
-        saved += _sublayer(config, p, 1, _attention(config, seq_len, p, device, cross=True))
+        attention = _attention(config, seq_len, p, device, True, adapted)
+        saved += _sublayer(config, p, _trained(adapted, "q_proj"), attention)
     gated = FFN_SAVED[config.ffn] == 4
-    return saved + _sublayer(config, p, 2 if gated else 1, FFN_SAVED[config.ffn] * config.d_ff * p.compute)
+    ffn_inputs = _trained(adapted, "gate_proj", "up_proj") if gated else _trained(adapted, "up_proj")
+    internals = FFN_SAVED[config.ffn]
+    if config.ffn != "relu" and not _trained(adapted, "down_proj"):
+        internals -= 1  # the down projection's input, saved only for its own weight's gradient
+    return saved + _sublayer(config, p, ffn_inputs, internals * config.d_ff * p.compute)
 
 
 def _stack_terms(config: ModelConfig, seq_len: int, p: Precision, device: str, masks: int) -> float:
@@ -158,10 +186,13 @@ def _stack_terms(config: ModelConfig, seq_len: int, p: Precision, device: str, m
     return saved
 
 
-def activations_per_token(config: ModelConfig, seq_len: int, p: Precision, device: str) -> tuple[float, float]:
+def activations_per_token(
+    config: ModelConfig, seq_len: int, p: Precision, device: str, adapted: frozenset[str] | None = None
+) -> tuple[float, float]:
     """(bytes per token saved for backward by the stacks, bytes per token of the largest block).
 
     With activation checkpointing a block saves only its input; the largest block is recomputed in backward.
+    `adapted`: see `layer_per_token`.
     """
     stacks = []
     if config.has_encoder:
@@ -170,7 +201,7 @@ def activations_per_token(config: ModelConfig, seq_len: int, p: Precision, devic
         stacks.append((config.n_decoder_layers, config.has_encoder))
     total, largest = 0.0, 0.0
     for n_layers, cross in stacks:
-        layer = layer_per_token(config, seq_len, p, device, cross)
+        layer = layer_per_token(config, seq_len, p, device, cross, adapted)
         largest = max(largest, layer)
         kept = p.residual * config.d_model if config.activation_checkpointing else layer
         total += n_layers * kept + _stack_terms(config, seq_len, p, device, 2 if cross else 1)
@@ -189,12 +220,13 @@ class HeadTerms:
     loss_buffers: float  # the loss's backward: the gathered gradient and its sum with the smoothing term
 
 
-def head_terms(config: ModelConfig, p: Precision) -> HeadTerms:
-    """The output head's and the label-smoothed loss's bytes per token (none for an encoder without a head)."""
+def head_terms(config: ModelConfig, p: Precision, head_trains: bool = True) -> HeadTerms:
+    """The output head's and the label-smoothed loss's bytes per token (none for an encoder without a head).
+    A frozen head (LoRA) does not save its input."""
     if config.family == "encoder" and config.encoder_head == "none":
         return HeadTerms(0.0, 0.0, 0.0, 0.0)
     vocab = config.tgt_vocab_size if config.family == "encoder-decoder" else config.vocab_size
-    saved = _linear_inputs(config, p, 1, p.residual)  # the output projection's input
+    saved = _linear_inputs(config, p, int(head_trains), p.residual)  # the output projection's input
     if config.family == "encoder":  # MLM head: dense and activation outputs, the norm's output and statistics
         saved += 2 * p.compute * config.d_model + _norm(config, p.compute)
     logits, log_probs = vocab * p.compute, vocab * 4
@@ -323,18 +355,26 @@ MEASURED_DTYPES = ("fp32", "bf16-autocast", "bf16-pure")  # mixed precision's ma
 
 
 def measure_training_step(
-    config: ModelConfig, batch_size: int, seq_len: int, dtype: str = "fp32", optimizer: str = "adam", seed: int = 0
+    config: ModelConfig,
+    batch_size: int,
+    seq_len: int,
+    dtype: str = "fp32",
+    optimizer: str = "adam",
+    seed: int = 0,
+    lora: LoRAConfig | None = None,
 ) -> MeasuredStep:
     """Builds `config` on the CPU and measures one training step (see the module docstring).
 
     dtype: "fp32", "bf16-autocast" (fp32 weights, bf16 autocast, as `train.bf16`) or "bf16-pure" (the model in
-    bf16, Adam state in bf16); optimizer: "adam" (the paper's) or "adamw".
+    bf16, Adam state in bf16); optimizer: "adam" (the paper's) or "adamw"; lora: train only these adapters.
     """
     for name, value, known in (("dtype", dtype, MEASURED_DTYPES), ("optimizer", optimizer, ("adam", "adamw"))):
         if value not in known:
             raise ConfigError(f"cannot measure {name} '{value}' on the CPU; choose one of: {', '.join(known)}")
     torch.manual_seed(seed)
     model = build_model(config)
+    if lora is not None:
+        apply_lora(model, lora)
     if dtype == "bf16-pure":
         model = model.to(torch.bfloat16)
     model.train()
