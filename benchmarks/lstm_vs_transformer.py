@@ -70,7 +70,7 @@ def run_summary(run: Path) -> dict:
 
 
 def print_runs(name: str, runs: list[Path]) -> None:
-    rows = [run_summary(run) for run in runs]
+    rows = [run_summary(run) for run in runs if (LOGS / f"{run.name}.test.log").is_file()]
     print(f"\n{name}: run, parameters, steps, median target tok/s, dev BLEU (618), test BLEU (1,794), peak RSS MiB")
     for r in rows:
         print(
@@ -188,12 +188,15 @@ def main() -> None:
     parser.add_argument("--transformer", nargs="+", type=Path, required=True, help="run directories")
     parser.add_argument("--lstm", nargs="+", type=Path, required=True, help="run directories")
     parser.add_argument("--per-bin", type=int, default=10, help="sentences timed per length bin")
+    parser.add_argument("--summary-only", action="store_true", help="only the runs' table (no decoding, no steps)")
     args = parser.parse_args()
     threads = set_threads()
     print(f"lstm_vs_transformer, {time.strftime('%Y-%m-%d %H:%M')} UTC; {threads} threads; {cpu_flags()}")
     print(load_report("before"))
     print_runs("Transformer", args.transformer)
     print_runs("LSTM", args.lstm)
+    if args.summary_only:
+        return
     checkpoints = {"transformer": args.transformer[0], "lstm": args.lstm[0]}
     models = {name: load(resolve_checkpoint(run)) for name, run in checkpoints.items()}
     tokenizer = Tokenizer.from_file(resolve_checkpoint(args.transformer[0]))
