@@ -157,7 +157,7 @@ def brute_force_best(model: LSTMEncoderDecoder, source: torch.Tensor, max_len: i
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6])
-def test_a_wide_beam_finds_the_best_hypothesis_and_reorders_the_recurrent_state(alpha: float) -> None:
+def test_a_wide_beam_finds_the_best_hypothesis(alpha: float) -> None:
     model = lstm_model(vocab_size=7, seed=3)
     src, src_mask = padded_sources([4, 2], 7)
     beam = beam_search(model, src, src_mask, 3, BOS, EOS, beam_size=126, alpha=alpha)
@@ -168,7 +168,9 @@ def test_a_wide_beam_finds_the_best_hypothesis_and_reorders_the_recurrent_state(
 
 
 def test_beam_search_on_a_batch_equals_beam_search_on_each_source_alone() -> None:
-    """Sources finish at different steps and leave the batch, so the state and the memory shrink with it."""
+    """Sources finish at different steps and leave the batch, so the state and the memory shrink with it; this
+    is the test that fails when the recurrent state does not follow its beam (the exhaustive one above finds
+    the empty hypothesis best for these tiny random models, which the first step decides)."""
     model = lstm_model(vocab_size=12, seed=2)
     sources = [[5, 7, 3, 9], [4], [8, 8, 6], [11, 3, 5, 7, 10, 6]]
     batched = translate_ids(model, sources, BOS, EOS, PAD, beam_size=3, extra_len=6)
