@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from tformer.data import DataError
 from tformer.data.tokenizer import Tokenizer
-from tformer.inference import RequestOutput, SamplingParams
+from tformer.inference import ContextLengthError, RequestOutput, SamplingParams
 from tformer.serve.async_engine import AsyncEngine, EngineStopped
 from tformer.serve.errors import APIError, error_body, install_error_handlers
 from tformer.serve.metrics import Metrics
@@ -103,24 +103,13 @@ class Server:
         return self.encode(text, "messages")
 
     def check_fits(self, prompt_len: int, max_tokens: int, prompt_param: str, tokens_param: str) -> None:
-        """Names the parameter at fault when a request overflows the context (the engine checks again)."""
-        room = self.engine.room(prompt_len)
-        if room < 1:
-            raise APIError(
-                400,
-                f"the prompt has {prompt_len} tokens but the model's context holds "
-                f"{self.engine.max_model_len}; shorten it",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        if max_tokens > room:
-            raise APIError(
-                400,
-                f"{tokens_param}={max_tokens} is beyond the context: the prompt's {prompt_len} tokens "
-                f"leave room for {room}; use {tokens_param} <= {room}",
-                param=tokens_param,
-                code="context_length_exceeded",
-            )
+        """Names the parameter at fault when a request overflows the context (the engine's rule, applied before the
+        request is queued)."""
+        try:
+            self.engine.check_context(prompt_len, max_tokens, tokens_param)
+        except ContextLengthError as err:
+            param = prompt_param if err.param == "prompt" else tokens_param
+            raise APIError(400, str(err), param=param, code="context_length_exceeded") from None
 
     async def run(
         self,

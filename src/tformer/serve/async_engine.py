@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from tformer.inference import Engine, RequestError, RequestOutput, SamplingParams
-from tformer.models import EncoderDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +135,11 @@ class AsyncEngine:
 
     def room(self, prompt_len: int) -> int:
         """How many tokens a prompt of `prompt_len` tokens leaves in the context (the longest max_tokens)."""
-        decoder_prompt = 1 if isinstance(self.engine.model, EncoderDecoder) else prompt_len  # just <s>
-        return self.engine.max_model_len - decoder_prompt
+        return self.engine.room(prompt_len)  # the engine's rule reads only its configuration: safe from any thread
+
+    def check_context(self, prompt_len: int, max_tokens: int, tokens_param: str = "max_tokens") -> None:
+        """The engine's context-length rule, before the request is queued: raises `ContextLengthError`."""
+        self.engine.check_context(prompt_len, max_tokens, tokens_param)
 
     async def add(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> None:
         """Queues a request and waits until the engine takes it; raises `RequestError` if it refuses."""
