@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import sacrebleu
 import torch
 
-from tformer.data import LMBatch, Seq2SeqBatch, Tokenizer, Vocab
+from tformer.data import LMBatch, Seq2SeqBatch, Tokenizer, Vocab, causal_lm
 from tformer.data.genre import encode_labelled
 from tformer.data.objectives import sequence_classification
 from tformer.inference import translate_ids
@@ -122,3 +122,19 @@ def evaluate_classification(
         predicted.append(model(batch.input_ids, batch.attention_mask).argmax(-1).cpu())
     labels = torch.tensor([label for _, label in encoded])
     return {**classification_scores(torch.cat(predicted), labels, model.config.num_labels), "examples": len(encoded)}
+
+
+def dev_scores(
+    objective: str, model: TransformerModel, tokenizer: Tokenizer, vocab: Vocab, examples: list, max_len: int,
+    device: torch.device,
+) -> tuple[dict, str]:  # fmt: skip
+    """The trainer's dev scores for objective 'clm' (perplexity) or 'classification' (accuracy, macro-F1), with
+    the line it prints."""
+    if objective == "clm":
+        encoded = [ids for ids in tokenizer.encode_batch(examples, add_bos=False) if 0 < len(ids) <= max_len]
+        batches = [causal_lm(encoded[i : i + 32], vocab).to(device) for i in range(0, len(encoded), 32)]
+        ppl = perplexity(model, batches)
+        return {"dev_ppl": ppl, "dev_sentences": len(encoded)}, f"dev perplexity {ppl:.2f} on {len(encoded)} lines"
+    scores = evaluate_classification(model, tokenizer, vocab, examples, max_len)
+    scores = {f"dev_{key}": value for key, value in scores.items()}
+    return scores, f"dev accuracy {scores['dev_accuracy']:.4f} on {len(examples)} examples"

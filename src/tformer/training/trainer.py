@@ -27,7 +27,7 @@ import yaml
 from torch import nn
 
 from tformer.config import ModelConfig
-from tformer.data import Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab, causal_lm
+from tformer.data import Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab
 from tformer.errors import TrainingDiverged, TrainingOutOfMemory
 from tformer.models import CheckpointError, TransformerModel, build_model
 from tformer.training.checkpoint import (
@@ -61,7 +61,7 @@ from tformer.training.distributed import (
     is_collective_failure,
     parallelize,
 )
-from tformer.training.evaluate import evaluate_classification, evaluate_translation, forward_logits, perplexity
+from tformer.training.evaluate import dev_scores, evaluate_translation, forward_logits
 from tformer.training.init_from import load_init_from, vocab_of
 from tformer.training.lora_run import load_weights, with_lora
 from tformer.training.losses import label_smoothed_cross_entropy
@@ -347,10 +347,14 @@ class Trainer:
             return {}
         dev = self.data.dev[:n_sentences] if n_sentences else self.data.dev
         model = self._consolidated()
-        if self.config.objective == "clm":
-            return self._evaluate_perplexity(model, dev) if self.dist.is_main else {}
-        if self.config.objective == "classification":
-            return self._evaluate_classes(model, dev) if self.dist.is_main else {}
+        if self.config.objective != "seq2seq":  # perplexity or accuracy, on rank 0
+            if not self.dist.is_main:
+                return {}
+            data, vocab, max_len = self.data, self.vocab, self.config.max_len
+            scores, line = dev_scores(self.config.objective, model, data.tokenizer, vocab, dev, max_len, self.device)
+            self._log({"step": self.step, **scores})
+            self.progress.write(f"step {self.step}: {line}")
+            return scores
         result = None
         if self.dist.is_main:
             result = evaluate_translation(
@@ -374,23 +378,6 @@ class Trainer:
             "dev_seconds": result.seconds,
             "samples": result.samples(3),
         }
-
-    def _evaluate_perplexity(self, model: TransformerModel, lines: list[str]) -> dict:
-        encoded = [
-            ids for ids in self.data.tokenizer.encode_batch(lines, add_bos=False) if 0 < len(ids) <= self.config.max_len
-        ]
-        batches = [causal_lm(encoded[i : i + 32], self.vocab).to(self.device) for i in range(0, len(encoded), 32)]
-        ppl = perplexity(model, batches)
-        self._log({"step": self.step, "dev_ppl": ppl, "dev_sentences": len(encoded)})
-        self.progress.write(f"step {self.step}: dev perplexity {ppl:.2f} on {len(encoded)} lines")
-        return {"dev_ppl": ppl, "dev_sentences": len(encoded)}
-
-    def _evaluate_classes(self, model: TransformerModel, examples: list) -> dict:
-        scores = evaluate_classification(model, self.data.tokenizer, self.vocab, examples, self.config.max_len)
-        scores = {f"dev_{key}": value for key, value in scores.items()}
-        self._log({"step": self.step, **scores})
-        self.progress.write(f"step {self.step}: dev accuracy {scores['dev_accuracy']:.4f} on {len(examples)} examples")
-        return scores
 
     def _final_evaluation(self, evaluate: bool = True) -> dict:
         """The whole dev set's score (skipped after Ctrl-C, which should exit promptly) and the curves PNG."""
