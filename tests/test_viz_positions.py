@@ -209,3 +209,40 @@ def test_a_checkpoint_of_a_fixed_scheme_draws_that_scheme(tmp_path: Path) -> Non
 def test_every_scheme_writes_a_png(tmp_path: Path, position: str) -> None:
     config = tiny_config("tiny-llama" if position == "rope" else "tiny-transformer", position=position)
     assert_png(plot_positions(config, tmp_path / f"{position}.png", length=40))
+
+
+# ---- T5's learned relative bias -----------------------------------------------------------------------------------
+
+
+def test_t5_figure_draws_each_stacks_learned_bias_by_bucket_of_distance() -> None:
+    """Each drawn map is the stack's table looked up at transformers' own bucket of j - i (bidirectional in the
+    encoder, past-only in the decoder)."""
+    import torch
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    n = 20
+    model = make_model(ModelConfig.from_preset("tiny-t5"))
+    config = model.config
+    tables = {}
+    for stack in ("encoder", "decoder"):
+        embedding = getattr(model, stack).positions.relative_bias.embedding
+        torch.nn.init.normal_(embedding.weight)
+        tables[stack] = embedding.weight.detach()
+    figure = position_figure(model, n)
+    relative = torch.arange(n)[None, :] - torch.arange(n)[:, None]  # j - i
+    drawn = [ax for ax in figure.axes if ax.get_title().startswith(("encoder, head", "decoder, head"))]
+    assert len(drawn) == 2 * config.n_heads
+    for ax in drawn:
+        stack, head = ax.get_title().split(", head ")
+        buckets = T5Attention._relative_position_bucket(
+            relative,
+            bidirectional=stack == "encoder",
+            num_buckets=config.relative_attention_buckets,
+            max_distance=config.relative_attention_max_distance,
+        )
+        np.testing.assert_allclose(image(ax), tables[stack][buckets, int(head)].numpy(), rtol=1e-6)
+
+
+def test_t5_figure_needs_trained_weights() -> None:
+    with pytest.raises(ConfigError, match="T5 learns its bias per head"):
+        position_figure(ModelConfig.from_preset("tiny-t5"), 10)

@@ -15,7 +15,14 @@ from torch import nn
 
 from tformer.config import ModelConfig
 from tformer.errors import ConfigError
-from tformer.layers.positions import ALiBiPositions, LearnedPositions, RotaryPositions, apply_rotary, rope_inv_freq
+from tformer.layers.positions import (
+    ALiBiPositions,
+    LearnedPositions,
+    RelativeBucketPositions,
+    RotaryPositions,
+    apply_rotary,
+    rope_inv_freq,
+)
 
 
 @dataclass
@@ -73,3 +80,16 @@ def learned_position_tables(model: nn.Module) -> dict[str, torch.Tensor]:
         position = getattr(getattr(model, "config", None), "position", "unknown")
         raise ConfigError(f"this model has no learned position table (its position scheme is '{position}')")
     return tables
+
+
+def relative_bias_maps(model: nn.Module, length: int) -> dict[str, torch.Tensor]:
+    """T5: each stack's learned bias (H, length, length) for queries and keys at positions 0..length-1, by stack."""
+    positions = torch.arange(length)[None]
+    maps = {
+        name.removesuffix(".positions") or "model": module.attention_bias(positions, positions)[0].detach()
+        for name, module in model.named_modules()
+        if isinstance(module, RelativeBucketPositions)
+    }
+    if not maps:
+        raise ConfigError("this model has no relative position bias (its position scheme is not 't5')")
+    return maps

@@ -17,7 +17,13 @@ from torch import nn
 from tformer.config import ModelConfig
 from tformer.errors import ConfigError
 from tformer.layers import alibi_slopes, sinusoidal_table
-from tformer.layers.position_maps import alibi_biases, learned_position_tables, rope_frequencies, rope_relative_scores
+from tformer.layers.position_maps import (
+    alibi_biases,
+    learned_position_tables,
+    relative_bias_maps,
+    rope_frequencies,
+    rope_relative_scores,
+)
 from tformer.viz.plots import _new_figure, _save
 
 MAX_ALIBI_HEADS = 8  # heat maps drawn at most; a model with more heads shows this many, spread evenly
@@ -121,6 +127,28 @@ def _alibi(config: ModelConfig, model: nn.Module | None, length: int) -> Figure:
     return figure
 
 
+def _t5(config: ModelConfig, model: nn.Module | None, length: int) -> Figure:
+    if model is None:
+        raise ConfigError(
+            "T5 learns its bias per head and bucket of distance, and a preset or config file has no trained table; "
+            "pass a checkpoint directory (or an HF T5 directory converted with tformer convert) to draw it"
+        )
+    maps = relative_bias_maps(model, length)  # stack -> (H, length, length)
+    heads = _alibi_heads(config.n_heads)
+    figure = _new_figure(3.2 * len(heads), 3.2 * len(maps))
+    axes = figure.subplots(len(maps), len(heads), squeeze=False)
+    for row, (stack, biases) in zip(axes, maps.items(), strict=True):
+        limit = biases.abs().max().item() or 1.0
+        for ax, h in zip(row, heads, strict=True):
+            image = ax.imshow(biases[h].numpy(), cmap="RdBu", vmin=-limit, vmax=limit, interpolation="nearest")
+            ax.set_title(f"{stack}, head {h}", fontsize=8)
+            ax.set_xlabel("key j")
+            ax.set_ylabel("query i")
+        figure.colorbar(image, ax=row[-1], label="learned bias")
+    figure.suptitle("T5 relative position bias: one learned scalar per head and bucket of distance j - i")
+    return figure
+
+
 def _none(config: ModelConfig, model: nn.Module | None, length: int) -> Figure:
     raise ConfigError(
         "nothing to draw: this model uses position 'none' (NoPE), so it adds no position vector, rotates no query "
@@ -133,6 +161,7 @@ POSITION_FIGURES: dict[str, Callable[[ModelConfig, nn.Module | None, int], Figur
     "learned": _learned,
     "rope": _rope,
     "alibi": _alibi,
+    "t5": _t5,
     "none": _none,
 }
 
