@@ -207,11 +207,15 @@ class ModelConfig(ConfigBase):
                     f"attention_window must be a positive even number (each token sees attention_window // 2 "
                     f"neighbours on each side), got {self.attention_window}"
                 )
-            if self.position in ("alibi", "t5") or not self.scale_attention:
+            if self.position in ("alibi", "t5"):
+                bias = "ALiBi's" if self.position == "alibi" else "T5's relative"
                 raise ConfigError(
-                    "attention 'longformer' computes banded scores without a bias matrix, so it cannot add ALiBi's "
-                    "or T5's bias, and it always scales them; use position 'learned', 'sinusoidal' or 'rope' and "
-                    "scale_attention: true"
+                    f"attention 'longformer' computes banded scores without a bias matrix, so it cannot add {bias} "
+                    "bias; use position 'learned', 'sinusoidal' or 'rope'"
+                )
+            if not self.scale_attention:
+                raise ConfigError(
+                    "attention 'longformer' always scales its scores by 1/sqrt(head_dim); set scale_attention: true"
                 )
         if self.attention == "performer":
             if self.position in ("alibi", "t5") or self.sliding_window is not None:

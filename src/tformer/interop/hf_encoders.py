@@ -166,6 +166,9 @@ def _labels_in(hf: HFFields) -> dict[str, Any]:
 
 
 def _labels_out(config: ModelConfig) -> dict[str, Any]:
+    """id2label / label2id of a classifier; none for a config without labels (to_hf then tries the next family)."""
+    if config.num_labels is None:
+        return {}
     names = config.label_names or [f"LABEL_{i}" for i in range(config.num_labels)]
     return {"id2label": dict(enumerate(names)), "label2id": {name: i for i, name in enumerate(names)}}
 
