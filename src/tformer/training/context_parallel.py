@@ -6,8 +6,7 @@ point-to-point sends (the next block is in flight while the current one is compu
 the blocks merge in fp32 through their log-sum-exp (as in flash attention). Backward is a ring too: K and V go round
 again, each rank adds its queries' share of dK and dV to an accumulator that travels with them, and after one more
 hop every accumulator is back with the rank that owns those keys. Nothing gathers the sequence (Liu et al., Ring
-Attention, 2023; the zigzag layout is that of zhuzilin/ring-flash-attention). Works on the CPU with gloo, where
-torch's own context parallelism (CUDA kernels only) does not.
+Attention, 2023; zigzag as in zhuzilin/ring-flash-attention). It runs on the CPU with gloo; torch's own is CUDA-only.
 
 Training: `train.context_parallel: N` under `torchrun --nproc-per-node N`. Every rank reads the same batches, takes
 its zigzag shard of each sequence (`shard_lm_batch`) and feeds the model its tokens' global positions; the loss is
@@ -327,15 +326,16 @@ def ring_attention_on(
 
 # ---- training: train.context_parallel ---------------------------------------------------------------------------
 def check_context_parallel(model: ModelConfig, objective: str, ranks: int) -> None:
-    """Raises ConfigError when ring attention over `ranks` cannot train `model` exactly."""
-    problems = {
-        objective != "clm": f"it trains causal language models (train.objective: clm), not '{objective}'",
-        model.position == "alibi": "ALiBi's bias needs every query-key distance; use position: rope or learned",
-        model.sliding_window is not None: "a sliding window is not supported; remove model.sliding_window",
-        model.attention != "softmax": f"attention '{model.attention}' has its own kernel; use attention: softmax",
-        model.attn_dropout > 0: "ring attention has no attention dropout; set model.attn_dropout=0",
-    }
-    for failed, why in problems.items():
+    """Raises ConfigError when ring attention over `ranks` cannot train `model` exactly (the first problem)."""
+    problems = [
+        (objective != "clm", f"it trains causal language models (train.objective: clm), not '{objective}'"),
+        (model.position in ("alibi", "t5"), "ALiBi's and T5's biases need all query-key distances; use rope"),
+        (not model.scale_attention, "ring attention scales scores by 1/sqrt(head_dim); set scale_attention: true"),
+        (model.sliding_window is not None, "a sliding window is not supported; remove model.sliding_window"),
+        (model.attention != "softmax", f"attention '{model.attention}' has its own kernel; use attention: softmax"),
+        (model.attn_dropout > 0, "ring attention has no attention dropout; set model.attn_dropout=0"),
+    ]  # fmt: skip
+    for failed, why in problems:
         if failed:
             raise ConfigError(f"train.context_parallel={ranks}: {why}")
 

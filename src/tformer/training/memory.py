@@ -170,7 +170,7 @@ def layer_per_token(
 
 def _stack_terms(config: ModelConfig, seq_len: int, p: Precision, device: str, masks: int) -> float:
     """Bytes per token a stack holds once for all its layers: masks, RoPE tables, embedding dropout and norms."""
-    heads = config.n_heads if config.position == "alibi" else 1
+    heads = config.n_heads if config.position in ("alibi", "t5") else 1  # a bias per head, not one mask
     fused = attention_path(config, seq_len, p, device) == "fused"
     kept = fused or config.activation_checkpointing  # the fused kernel saves the mask; so does checkpoint()
     dense = seq_len * seq_len <= DENSE_BIAS_MAX_ENTRIES  # longer inputs build the mask by blocks, never kept whole
