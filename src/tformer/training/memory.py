@@ -119,7 +119,6 @@ def _attention(
     kv = 2 * kv_dim  # elements of k and v per key token; cross-attention reads a source of the same length
     memory_projections = _trained(adapted, "k_proj", "v_proj")  # of the memory, under autocast
     copies = _linear_inputs(config, p, memory_projections, p.residual) if cross and p.autocast else 0
-    output = 0 if _trained(adapted, "out_proj") == 0 and path_saves_output(config, keys, p, device) else q_dim * c
     path = attention_path(config, keys, p, device)
     if path == "fused":
         return (2 * q_dim + kv) * c + 4 * heads + copies  # q, k, v, output, fp32 log-sum-exp
@@ -132,13 +131,8 @@ def _attention(
         weights += (1 + c) * heads * keys  # keep-mask and the dropped weights
     elif c != 4:
         weights += c * heads * keys  # the softmax cast back to the compute dtype
+    output = q_dim * c if _trained(adapted, "out_proj") else 0  # saved for out_proj's weight gradient alone
     return (q_dim + kv) * c + output + weights + copies  # q, k, v, weights, output (a contiguous copy)
-
-
-def path_saves_output(config: ModelConfig, keys: int, p: Precision, device: str) -> bool:
-    """Whether the output copy in `_attention` is saved for out_proj alone (the math path; fused kernels keep
-    their output for their own backward)."""
-    return attention_path(config, keys, p, device) == "math"
 
 
 def _sublayer(config: ModelConfig, p: Precision, n_linears: int, internals: float) -> float:
