@@ -64,7 +64,7 @@ class MemoryEstimate:
     stage: int
     world_size: int
     optimizer: str
-    trainable: int = 0  # parameters that train: all of them, or only LoRA's adapters
+    trainable: int  # parameters that train: all of them, or only LoRA's adapters
 
     @property
     def total(self) -> int:
