@@ -124,6 +124,11 @@ class ModelConfig(ConfigBase):
         return self.family in ("encoder-decoder", "encoder")
 
     @property
+    def is_seq2seq(self) -> bool:
+        """Whether the model maps a source to a target (translation): the Transformer's or the LSTM's."""
+        return self.family in ("encoder-decoder", "lstm-encoder-decoder")
+
+    @property
     def has_decoder(self) -> bool:
         return self.family in ("encoder-decoder", "decoder")
 
@@ -282,8 +287,7 @@ class ModelConfig(ConfigBase):
                 raise ConfigError(f"rope_scaling '{self.rope_scaling}' needs position 'rope', got '{self.position}'")
             if self.rope_factor < 1.0:
                 raise ConfigError(f"rope_factor must be >= 1 (context extension factor), got {self.rope_factor}")
-        seq2seq = self.family in ("encoder-decoder", "lstm-encoder-decoder")
-        if seq2seq and self.share_embeddings and self.tgt_vocab_size != self.vocab_size:
+        if self.is_seq2seq and self.share_embeddings and self.tgt_vocab_size != self.vocab_size:
             raise ConfigError(
                 f"share_embeddings needs one joint vocabulary, but vocab_size={self.vocab_size} and "
                 f"tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings: false or use a joint vocabulary"

@@ -88,7 +88,7 @@ def load_translator(path: str | Path):
     """A function (sentences, beam_size, alpha) -> translations for a checkpoint or run directory."""
     checkpoint = resolve_checkpoint(path)
     model, tokenizer = load(checkpoint), Tokenizer.from_file(checkpoint)
-    if model.config.family not in ("encoder-decoder", "lstm-encoder-decoder"):
+    if not model.config.is_seq2seq:
         raise ConfigError(f"{checkpoint} holds a '{model.config.family}' model; translation needs encoder-decoder")
     return lambda sentences, beam_size=4, alpha=0.6: translate(model, tokenizer, sentences, beam_size, alpha)
 

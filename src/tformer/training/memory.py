@@ -322,7 +322,7 @@ def synthetic_batch(config: ModelConfig, batch_size: int, seq_len: int, seed: in
     shape = (batch_size, seq_len)
     ids = torch.randint(4, config.vocab_size, shape, generator=generator)
     ones = torch.ones(shape, dtype=torch.long)
-    if config.family in ("encoder-decoder", "lstm-encoder-decoder"):
+    if config.is_seq2seq:
         target = torch.randint(4, config.tgt_vocab_size, shape, generator=generator)
         return Seq2SeqBatch(ids, ones, target, target.roll(-1, dims=1), ones.clone())
     return LMBatch(ids, ones, ids.roll(-1, dims=1))
