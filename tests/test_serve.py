@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 
 import httpx
 import openai
 import pytest
 from serve_helpers import CMPL, NAME, TEXTS, USER, LiveServer, client, metric
 
+from tformer.errors import ConfigError
 from tformer.inference import Engine, EngineConfig, RequestError, SamplingParams
 from tformer.inference.quantize import set_precision
 from tformer.interop.loading import load_pretrained
@@ -43,6 +45,35 @@ def test_async_engine_streams_then_cancels_everything_on_shutdown(tiny_dir, offl
 
     asyncio.run(main())
     assert not engine.is_running and engine.stats.blocks_in_use == 0 and engine.num_cancelled == 1
+
+
+def test_launch_builds_the_engine_on_the_thread_that_steps_it(tiny_dir, offline, one_thread) -> None:
+    """The server's engine is loaded, warmed up and stepped on one thread (one OpenMP team: see `launch`)."""
+    built_on = []
+
+    def build() -> Engine:
+        built_on.append(threading.current_thread())
+        return Engine(*load_pretrained(tiny_dir))
+
+    engine = AsyncEngine.launch(build)
+    expected = offline.complete("the cat", max_tokens=6, temperature=0.0)
+
+    async def main() -> tuple[str, threading.Thread]:
+        text = "".join([o.text async for o in engine.generate("the cat", SamplingParams(max_tokens=6, temperature=0))])
+        return text, await engine.call(threading.current_thread)
+
+    try:
+        text, stepped_on = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert text == expected.text
+    assert stepped_on is built_on[0] is not threading.main_thread()
+
+    def broken() -> Engine:
+        raise ConfigError("no such model")
+
+    with pytest.raises(ConfigError, match="no such model"):  # a failed build reaches the caller
+        AsyncEngine.launch(broken)
 
 
 # ---- the openai client against the tiny model ------------------------------------------------------------------

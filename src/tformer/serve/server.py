@@ -17,7 +17,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from tformer.errors import ConfigError
-from tformer.inference import EngineConfig
+from tformer.inference import Engine, EngineConfig
 from tformer.serve.app import create_app
 from tformer.serve.async_engine import AsyncEngine
 from tformer.serve.loading import load_engine, warm_up
@@ -58,11 +58,15 @@ def run_server(
             raise ConfigError("nothing to serve: pass --model PATH (a model), --runs DIR (training runs), or both")
         _serve(create_dashboard_app(runs_dir, api_key), host, port, api_key, shutdown_timeout)
         return
-    loaded = load_engine(model, engine_config, quantize, dtype, draft_model, draft_quantize)
-    if loaded.config.compile:
-        logger.info("compiling the decode steps before serving (cached for the next start)")
-        warm_up(loaded)  # /health answers only once the server listens, so 200 means a compiled engine is ready
-    engine = AsyncEngine(loaded)
+
+    def build() -> Engine:
+        loaded = load_engine(model, engine_config, quantize, dtype, draft_model, draft_quantize)
+        if loaded.config.compile:
+            logger.info("compiling the decode steps before serving (cached for the next start)")
+            warm_up(loaded)  # /health answers only once the server listens: 200 means a compiled engine is ready
+        return loaded
+
+    engine = AsyncEngine.launch(build)  # built on the thread that runs it: see AsyncEngine.launch
     app = create_app(engine, engine.engine.tokenizer, model_name or default_model_name(model), api_key, runs_dir)
     try:
         _serve(app, host, port, api_key, shutdown_timeout)
