@@ -4,7 +4,8 @@
 does; `BeamGroup` maps its rows to engine sequences. Every live beam's next-token log-probabilities are
 collected as its step completes; once all live beams of the request have theirs, `Beams.advance` picks the
 next beams, and each new beam starts as a fork of its parent's block table: the blocks are shared, and the
-first write into a shared block copies it (the scheduler's copy-on-write).
+first write into a shared block copies it (the scheduler's copy-on-write). A new beam also inherits the
+prefix-cache keys of its parent's published blocks, so the step keys only a block that has just filled.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class BeamGroup:
                     status=Status.RUNNING,
                     source=parent.source,
                     encoder_state=parent.encoder_state,
+                    block_hashes=list(parent.block_hashes),  # its blocks are the parent's: their keys too
                 )
             )
         self.members = members
