@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer.config import ConfigError
+from tformer.inference.fp8 import Fp8Linear
 
-QUANT_MODES = ("int8", "int4", "w8a8")
+QUANT_MODES = ("int8", "int4", "w8a8", "fp8")
 
 
 def per_channel_scales(weight: torch.Tensor) -> torch.Tensor:
@@ -225,6 +226,8 @@ def quantize(model: nn.Module, mode: str = "int8", group_size: int = 32) -> nn.M
                 continue
             if mode == "w8a8":
                 setattr(module, child_name, W8A8Linear(child))
+            elif mode == "fp8":
+                setattr(module, child_name, Fp8Linear(child))
             elif mode == "int8" or (module is model and child_name == "lm_head"):
                 setattr(module, child_name, Int8Linear(child))
             elif child.in_features % group_size == 0 and child.out_features % 16 == 0:
@@ -272,7 +275,7 @@ def model_bytes(model: nn.Module) -> int:
 
 def dequantize_linear(module: nn.Module) -> torch.Tensor:
     """The floating-point weight a quantized linear layer stands for (for tests and error reports)."""
-    if isinstance(module, (Int8Linear, Int4Linear, W8A8Linear)):
+    if isinstance(module, (Int8Linear, Int4Linear, W8A8Linear, Fp8Linear)):
         return module.dequantized()
     if isinstance(module, nn.Linear):
         return module.weight.detach().float()
