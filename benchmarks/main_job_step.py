@@ -13,30 +13,74 @@ tokens, backward, the paper's Adam and schedule, zero_grad.
 Modes:
 - tformer fp32, dropout 0.1 (before): the recipe's step until 2026-12-01 (fp32, post-norm, dropout 0.1 with
   torch's `bernoulli_` masks): the baseline of the 4x goal;
-- tformer fp32 / bf16: the recipe's model today (dropout 0); bf16 also takes the math attention path;
-- Marian fp32 sdpa / bf16 sdpa / bf16 eager: HF's model in each attention implementation; its best is the peer.
+- tformer fp32 / bf16 autocast: the recipe's model today (dropout 0); bf16 also takes the math attention path;
+- tformer bf16 weights (the recipe since 2026-12-02, `train.bf16_weights`): a bf16 copy of the model trains
+  with fp32 master weights in the optimizer (training/precision.py), and the loss is the fused one
+  (losses.fused_label_smoothed_cross_entropy, the trainer's);
+- Marian fp32 sdpa / bf16 sdpa / bf16 eager: HF's model in each attention implementation;
+- Marian bf16 weights eager: the same two training-loop levers on HF's model, so that the peer gets them too;
+  the best Marian mode is the peer.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from common import alternating_timing, load_report, median, set_threads
-from marian_side import BatchStream, Side, build_data, build_marian, marian_logits, tformer_logits
+from marian_side import (
+    LABEL_SMOOTHING,
+    Batch,
+    BatchStream,
+    Side,
+    build_data,
+    build_marian,
+    marian_logits,
+    tformer_logits,
+)
 from torch import nn
 from train_step import Report
 
 from tformer import ModelConfig, build_model
 from tformer.layers import Dropout
 from tformer.training import load_recipe
+from tformer.training.losses import fused_label_smoothed_cross_entropy
+from tformer.training.precision import BF16Weights
+from tformer.training.seeds import seed_dropout
 
 RECIPE = Path(__file__).resolve().parent.parent / "configs" / "en-de-10min.yaml"
 BEFORE = "tformer fp32, dropout 0.1 (before)"
+RECIPE_MODE = "tformer bf16 weights (the recipe)"
+
+
+class MasterWeightsSide(Side):
+    """Side's step as the trainer takes it under `train.bf16_weights`: forward and backward on a bf16 copy of the
+    model, the fused loss, the bf16 gradients into the fp32 masters, Adam on the masters, new weights back."""
+
+    def __init__(self, name: str, model: nn.Module, logits_of: object) -> None:
+        self.weights = BF16Weights(model)
+        super().__init__(name, model, logits_of(self.weights.compute))
+
+    def step(self, batch: Batch) -> None:
+        self.weights.compute.train()
+        seed_dropout(self.seed, len(self.times))
+        cpu, start = time.process_time(), time.perf_counter()
+        loss_sum, n_tokens = fused_label_smoothed_cross_entropy(self.logits(batch.data), batch.labels, LABEL_SMOOTHING)
+        (loss_sum / n_tokens).backward()
+        self.weights.grads_to_master()
+        self.optimizer.step()
+        self.weights.weights_from_master()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.times.append(time.perf_counter() - start)
+        self.cpu.append(time.process_time() - cpu)
+        self.tokens.append(batch.tokens)
+        self.losses.append(loss_sum.item() / batch.tokens)
 
 
 def recipe_model(vocab_size: int, pad_id: int) -> ModelConfig:
@@ -88,13 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     models = {
         BEFORE: (tformer(before=True), tformer_logits, False),
         "tformer fp32": (tformer(), tformer_logits, False),
-        "tformer bf16 (the recipe)": (tformer(), tformer_logits, True),
+        "tformer bf16 autocast": (tformer(), tformer_logits, True),
+        RECIPE_MODE: (tformer(), tformer_logits, "weights"),
         "Marian fp32 sdpa": (marian("sdpa"), marian_logits, False),
         "Marian bf16 sdpa": (marian("sdpa"), marian_logits, True),
         "Marian bf16 eager": (marian("eager"), marian_logits, True),
+        "Marian bf16 weights eager": (marian("eager"), marian_logits, "weights"),
     }
     # each Side steps as tformer's trainer does; step k of every mode trains on batch k
-    sides = {name: Side(name, model, logits(model), bf16=bf16) for name, (model, logits, bf16) in models.items()}
+    sides = {
+        name: MasterWeightsSide(name, model, logits)
+        if bf16 == "weights"
+        else Side(name, model, logits(model), bf16=bf16)
+        for name, (model, logits, bf16) in models.items()
+    }
     modes = {name: (lambda side=side: side.step(batches[len(side.times)])) for name, side in sides.items()}
     times = alternating_timing(modes, rounds=args.steps, warmup=args.warmup)
     # alternating_timing calls each mode once per round on the round's batch: tokens of rounds warmup..
@@ -117,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         f"tformer best ({best_tformer}) / Marian best ({best_marian}): "
         f"{rate[best_tformer]:,.0f} / {rate[best_marian]:,.0f} = {rate[best_tformer] / rate[best_marian]:.2f}x"
     )
-    out(f"tformer's recipe step against the step before: {rate['tformer bf16 (the recipe)'] / before:.2f}x")
+    out(f"tformer's recipe step against the step before: {rate[RECIPE_MODE] / before:.2f}x")
+    same_mode = rate[RECIPE_MODE] / rate["Marian bf16 weights eager"]
+    out(f"tformer bf16 weights / Marian bf16 weights eager (the same training loop): {same_mode:.2f}x")
     out(f"target tokens per timed round: {sum(tokens) / len(tokens):,.0f} (mean)")
     out(load_report("at end"))
     out.save()

@@ -52,6 +52,7 @@ class TrainConfig(ConfigBase):
     label_smoothing: float = 0.1
     clip_grad: float = 0.0  # max gradient norm; 0 disables clipping
     bf16: bool = False  # bf16 autocast
+    bf16_weights: bool = False  # with bf16: train a bf16 copy, fp32 master weights (training/precision.py)
     max_steps: int = 100_000
     time_budget: float = 0.0  # seconds of training before stopping cleanly; 0 means no limit
     seed: int = 1
@@ -124,6 +125,8 @@ class TrainConfig(ConfigBase):
             raise ConfigError(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"lr must be a positive finite number, got {self.lr}")
+        if self.bf16_weights and not self.bf16:
+            raise ConfigError("train.bf16_weights is a bf16 mode: set train.bf16: true too, or remove bf16_weights")
         if self.pack and self.objective != "clm":
             raise ConfigError(f"train.pack packs text for the clm objective, not '{self.objective}'; remove train.pack")
         if self.lora is not None:

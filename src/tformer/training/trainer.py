@@ -18,7 +18,6 @@ import json
 import math
 import signal
 import time
-from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -64,8 +63,9 @@ from tformer.training.distributed import (
 from tformer.training.evaluate import dev_scores, evaluate_translation, forward_logits
 from tformer.training.init_from import load_init_from, vocab_of
 from tformer.training.lora_run import load_weights, with_lora
-from tformer.training.losses import label_smoothed_cross_entropy
+from tformer.training.losses import fused_label_smoothed_cross_entropy, label_smoothed_cross_entropy
 from tformer.training.optim import adamw_cosine, paper_adam
+from tformer.training.precision import TrainingPrecision
 from tformer.training.progress import Progress
 from tformer.training.seeds import seed_dropout, stream_seed
 from tformer.training.sharded import SHARDED_DIR, load_sharded, save_sharded
@@ -114,6 +114,7 @@ class Trainer:
         self.spikes = LossSpikes()
         self.saved_step = -1
         self._resume()
+        self.precision = TrainingPrecision(train_config, self.model, self.module, self.dist)
         # with a time budget the step count is not the limit: show the budget left instead of a step ETA
         total = None if train_config.time_budget else train_config.max_steps
         self.progress = Progress(self.dist.is_main, total, self.step)
@@ -163,20 +164,20 @@ class Trainer:
     def train_step(self, batches: list[Seq2SeqBatch | LMBatch]) -> tuple[float, int]:
         """One optimizer step over this rank's `batches` (gradient accumulation); returns (mean loss per token,
         tokens), both over all ranks. The loss is normalised by the step's global token count."""
-        self.module.train()
+        self.precision.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         local_tokens = sum(int((b.labels != -100).sum()) for b in batches)
         n_tokens = int(self.dist.sum_over_data_parallel([local_tokens])[0])
         dp_size = self.dist.dp_size  # DDP and FSDP average gradients over the dp ranks: scale that back to a sum
         total = 0.0
-        autocast = torch.autocast(self.device.type, torch.bfloat16) if self.config.bf16 else nullcontext()
         for i, batch in enumerate(batches):
             with gradient_sync(self.module, sync=i == len(batches) - 1):
-                with autocast:
-                    logits = forward_logits(self.module, batch)
-                loss_sum, _ = label_smoothed_cross_entropy(logits, batch.labels, self.config.label_smoothing)
+                with self.precision.autocast():
+                    logits = forward_logits(self.precision.module, batch)
+                loss_sum, _ = fused_label_smoothed_cross_entropy(logits, batch.labels, self.config.label_smoothing)
                 (loss_sum / n_tokens * dp_size).backward()
             total += loss_sum.item()
+        self.precision.after_backward()  # bf16 weights: their gradients become the fp32 masters'
         total = self.dist.sum_over_data_parallel([total])[0]
         grad_norm = clip_gradients(
             self.model.parameters(), self.config.clip_grad if self.config.clip_grad > 0 else math.inf
@@ -190,6 +191,7 @@ class Trainer:
             )
         self.grad_norm = grad_norm.item()
         self.optimizer.step()
+        self.precision.after_step()
         self.scheduler.step()
         return total / n_tokens, n_tokens
 
@@ -206,15 +208,14 @@ class Trainer:
     def _locate_non_finite(self, batches: list[Seq2SeqBatch | LMBatch]) -> NonFinite | None:
         """Replays this step's batches, with its dropout masks, and names the first module that went non-finite."""
         seed_dropout(self.config.seed, self.step, self.dist.dp_rank)
-        autocast = torch.autocast(self.device.type, torch.bfloat16) if self.config.bf16 else nullcontext()
         for batch in batches:
 
             def replay(batch: Seq2SeqBatch | LMBatch = batch) -> torch.Tensor:
-                with autocast:
-                    logits = forward_logits(self.model, batch)
+                with self.precision.autocast():
+                    logits = forward_logits(self.precision.model, batch)
                 return label_smoothed_cross_entropy(logits, batch.labels, self.config.label_smoothing)[0]
 
-            if (culprit := locate_non_finite(self.model, replay)) is not None:
+            if (culprit := locate_non_finite(self.precision.model, replay)) is not None:
                 return culprit
         return None
 
