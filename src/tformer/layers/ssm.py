@@ -97,6 +97,22 @@ def sequential_scan(
 # than the chunked parallel scan, whose (B, chunk, d, N) passes are memory-bound (docs/ssm-vs-transformer.md); a GPU
 # gains from the parallel form's log2(chunk) wide steps instead of L narrow ones.
 SCANS = {"cpu": sequential_scan}
+# A prefill (the prompt into a decoding state, no backward) runs the parallel scan where it measured faster: on the
+# CPU while one chunk's (B, chunk, d_inner, N) fp32 states fit in 1 MiB and the prompt has at least 256 tokens. At
+# d_inner 512, N 16 (1 MiB at batch 1) it was 1.0-1.5x faster from 256 to 2,048 tokens, 0.44x at 64; at batch 2
+# (2 MiB) 0.77x, at batch 8 0.19x (no_grad `selective_scan`, 2026-12-02, docs/ssm-vs-transformer.md).
+PARALLEL_PREFILL = {"cpu": (1 << 20, 256)}  # device -> (largest chunk of states in bytes, fewest prompt tokens)
+
+
+def prefill_scan(batch: int, length: int, d_inner: int, state_size: int, device: torch.device) -> str | None:
+    """The scan a prefill of `batch` prompts of `length` tokens runs: "parallel" where it measured faster, else
+    None (the device's default, `SCANS`; a device without a rule, such as a GPU, already runs the parallel one)."""
+    rule = PARALLEL_PREFILL.get(device.type)
+    if rule is None:
+        return None
+    max_chunk_bytes, min_tokens = rule
+    chunk_bytes = batch * SCAN_CHUNK * d_inner * state_size * 4  # fp32 states of one chunk
+    return "parallel" if chunk_bytes <= max_chunk_bytes and length >= min_tokens else None
 
 
 def selective_scan(
@@ -168,6 +184,11 @@ class MambaMixer(nn.Module):
         self.D = nn.Parameter(torch.ones(d_inner))
         self.out_proj = nn.Linear(d_inner, config.d_model, bias=False)
 
+    def params_without_weight_decay(self) -> list[nn.Parameter]:
+        """What AdamW must not pull towards zero (Mamba's `_no_weight_decay`, extended to the conv): A_log sets each
+        channel's decay rate, D the skip, dt_bias its time scale, and the depthwise conv mixes a few neighbours."""
+        return [self.A_log, self.D, self.dt_bias, *self.conv.parameters()]
+
     def new_state(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> SSMState:
         """An empty decoding state for `batch_size` sequences."""
         conv = torch.zeros(batch_size, self.d_inner, self.conv_width - 1, dtype=dtype, device=device)
@@ -195,8 +216,11 @@ class MambaMixer(nn.Module):
         x = F.silu(x.transpose(1, 2))  # (B, L, d_inner)
         delta, B, C = self._ssm_inputs(x)
         A = -torch.exp(self.A_log.float())
-        y, h = selective_scan(x, delta, A, B, C, self.D, None if state is None else state.ssm)
-        if state is not None:
+        if state is None:
+            y, h = selective_scan(x, delta, A, B, C, self.D)
+        else:
+            scan = prefill_scan(x.shape[0], L, self.d_inner, self.state_size, x.device)
+            y, h = selective_scan(x, delta, A, B, C, self.D, state.ssm, scan=scan)
             state.ssm = h.detach()
         return self.out_proj(y.to(z.dtype) * F.silu(z))
 

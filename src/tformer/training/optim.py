@@ -29,14 +29,22 @@ def warmup_cosine_lr(step: int, peak: float, warmup: int, total: int, min_ratio:
 
 
 def _decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: biases, norm gains and embedding tables are not decayed."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    """Weight decay on matrices only: biases, norm gains, embedding tables and the parameters a module lists in its
+    `params_without_weight_decay()` (the SSM's A_log, D, Δ bias and depthwise conv) are not decayed.
+
+    The list is asked of the module, not stored on the parameters: loading weights and deepcopy make new
+    parameter objects, which drop any attribute set on the old ones."""
+    exempt = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for module in model.modules():
+        listed = getattr(module, "params_without_weight_decay", None)
+        if listed is not None:
+            exempt.update(id(param) for param in listed())
     decay, no_decay, seen = [], [], set()
     for param in model.parameters():
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        (decay if param.ndim >= 2 and id(param) not in embeddings else no_decay).append(param)
+        (decay if param.ndim >= 2 and id(param) not in exempt else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
