@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tformer.config import ModelConfig
+from tformer.config import CLASSIFICATION_HEADS, ModelConfig
 from tformer.data import LMBatch, Seq2SeqBatch
 from tformer.errors import ConfigError
 from tformer.layers.masks import DENSE_BIAS_MAX_ENTRIES
@@ -214,13 +214,23 @@ class HeadTerms:
     loss_buffers: float  # the loss's backward: the gathered gradient and its sum with the smoothing term
 
 
-def head_terms(config: ModelConfig, p: Precision, head_trains: bool = True) -> HeadTerms:
-    """The output head's and the label-smoothed loss's bytes per token (none for an encoder without a head).
-    A frozen head (LoRA) does not save its input."""
+def head_terms(config: ModelConfig, p: Precision, head_trains: bool = True, seq_len: int | None = None) -> HeadTerms:
+    """The output head's and the label-smoothed loss's bytes per token (none for an encoder without a head); a frozen
+    head (LoRA) saves no input. Classifiers: num_labels logits per token, or per sequence of `seq_len` (None: 1)."""
     if config.family == "encoder" and config.encoder_head == "none":
         return HeadTerms(0.0, 0.0, 0.0, 0.0)
+    saved = _linear_inputs(config, p, int(head_trains), p.residual)  # the output projection's (or pooler's) input
+    if config.family == "encoder" and config.encoder_head in CLASSIFICATION_HEADS:
+        mask = config.d_model if config.dropout > 0 else 0  # dropout's keep-mask
+        if config.encoder_head == "token-classification":
+            per, saved = 1.0, saved + mask
+        else:  # the pooler's input: a bf16 copy of [CLS]'s state, or a view that keeps the whole final state alive;
+            per = 1.0 / (seq_len or 1)  # per sequence: tanh's output, dropout's mask and output
+            copied = p.autocast and p.residual == 4
+            saved = saved * (per if copied else 1.0) + (p.compute * config.d_model * (2 if mask else 1) + mask) * per
+        n = config.num_labels * per
+        return HeadTerms(saved + n * (p.compute + 4), n * p.compute, n * 4, 2 * 4 * n)
     vocab = config.tgt_vocab_size if config.family == "encoder-decoder" else config.vocab_size
-    saved = _linear_inputs(config, p, int(head_trains), p.residual)  # the output projection's input
     if config.family == "encoder":  # MLM head: dense and activation outputs, the norm's output and statistics
         saved += 2 * p.compute * config.d_model + _norm(config, p.compute)
     logits, log_probs = vocab * p.compute, vocab * 4
