@@ -1,8 +1,11 @@
 """The main recipe's speed levers against their references: the fused label-smoothed loss against the plain
-formula (loss and gradient), and bf16 weights with fp32 masters (`train.bf16_weights`) against fp32 training."""
+formula (loss and gradient), bf16 weights with fp32 masters (`train.bf16_weights`) against fp32 training, and
+the kept host memory against glibc's default accounting."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +89,50 @@ def test_bf16_weights_without_bf16_is_a_config_error(tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path)
     with pytest.raises(ConfigError, match="train.bf16: true"):
         trainer(recipe, "train.bf16_weights=true")
+
+
+def test_a_second_backward_through_the_fused_loss_is_refused() -> None:
+    """Its stored gradient is scaled in place, so a second pass would be wrong: it must raise instead."""
+    logits = torch.randn(4, 9, requires_grad=True)
+    loss_sum, _ = fused_label_smoothed_cross_entropy(logits, torch.tensor([1, 2, -100, 8]))
+    loss_sum.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward pass"):
+        loss_sum.backward()
+
+
+KEPT_MEMORY_PROBE = """
+import ctypes, sys, torch
+from tformer.training.host_memory import keep_freed_memory
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+
+def mapped_and_heap_after_free():
+    x = torch.ones(5_000_000)  # 20 MB
+    before = libc.mallinfo2()
+    del x
+    after = libc.mallinfo2()
+    return before.hblkhd - after.hblkhd, after.fordblks
+
+applied = keep_freed_memory(torch.device("cpu"))
+print(applied, *mapped_and_heap_after_free())
+"""
+
+DEFAULT_MEMORY_PROBE = KEPT_MEMORY_PROBE.replace('keep_freed_memory(torch.device("cpu"))', "True")  # glibc as is
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_kept_memory_holds_a_freed_activation_in_the_heap_where_the_default_unmaps_it() -> None:
+    """glibc's own accounting (mallinfo2) is the reference: by default a freed 20 MB tensor is unmapped (its
+    bytes leave `hblkhd`); after keep_freed_memory it stays in the heap as free space (`fordblks`) for reuse."""
+    default = subprocess.run([sys.executable, "-c", DEFAULT_MEMORY_PROBE], capture_output=True, text=True, check=True)
+    kept = subprocess.run([sys.executable, "-c", KEPT_MEMORY_PROBE], capture_output=True, text=True, check=True)
+    _, unmapped, _ = default.stdout.split()
+    applied, kept_unmapped, heap_free = kept.stdout.split()
+    assert int(unmapped) >= 20_000_000  # the reference: glibc unmapped the freed block
+    assert applied == "True" and int(kept_unmapped) == 0 and int(heap_free) >= 20_000_000

@@ -66,12 +66,17 @@ class _FusedSmoothedCrossEntropy(torch.autograd.Function):
                 p_minus_q.scatter_add_(-1, index, ((off - (1.0 - epsilon)) * keep)[:, None])
                 grad[start : start + ROWS_PER_BLOCK] = p_minus_q
         ctx.save_for_backward(grad)
+        ctx.backward_done = False
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        if ctx.backward_done:
+            raise RuntimeError("the fused loss scales its stored gradient in place: it supports one backward pass")
+        ctx.backward_done = True
         (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None
+        # in place: a new (N, V) tensor would cost fresh pages (3.4 ms against 0.6 ms for 2,000 x 4,000 bf16)
+        return grad.mul_(grad_total.to(grad.dtype)), None, None, None
 
 
 def fused_label_smoothed_cross_entropy(
@@ -80,7 +85,8 @@ def fused_label_smoothed_cross_entropy(
     """`label_smoothed_cross_entropy`'s (loss_sum, n_tokens), with the gradient computed in the forward pass.
 
     The gradient is kept in the logits' dtype (bf16 logits: a bf16 gradient, which is what the lm_head's bf16
-    matmul receives under either implementation). Supports one backward, not double backward.
+    matmul receives under either implementation). Supports one backward pass (no retain_graph reuse, no double
+    backward).
     """
     flat_logits = logits.reshape(-1, logits.shape[-1])  # (N, V)
     flat_target = target.reshape(-1)

@@ -61,6 +61,7 @@ from tformer.training.distributed import (
     parallelize,
 )
 from tformer.training.evaluate import dev_scores, evaluate_translation, forward_logits
+from tformer.training.host_memory import keep_freed_memory
 from tformer.training.init_from import load_init_from, vocab_of
 from tformer.training.lora_run import load_weights, with_lora
 from tformer.training.losses import fused_label_smoothed_cross_entropy, label_smoothed_cross_entropy
@@ -115,6 +116,7 @@ class Trainer:
         self.saved_step = -1
         self._resume()
         self.precision = TrainingPrecision(train_config, self.model, self.module, self.dist)
+        keep_freed_memory(self.device)  # CPU: the same large activations every step reuse their pages
         # with a time budget the step count is not the limit: show the budget left instead of a step ETA
         total = None if train_config.time_budget else train_config.max_steps
         self.progress = Progress(self.dist.is_main, total, self.step)
