@@ -24,7 +24,6 @@ from fastapi.staticfiles import StaticFiles
 
 from tformer.errors import TformerError
 from tformer.inference.attention_map import CrossAttentionMap, cross_attention_map
-from tformer.models import EncoderDecoder
 from tformer.serve.async_engine import EngineStopped
 from tformer.serve.errors import APIError, install_error_handlers
 from tformer.serve.middleware import ApiKeyMiddleware
@@ -87,7 +86,7 @@ async def translate(server: Server, body: TranslationRequest) -> dict[str, Any]:
     """The answer to POST /v1/translations; the search runs on the engine thread, between two engine steps."""
     server.check_model(body.model)
     model, tokenizer = server.engine.engine.model, server.tokenizer
-    if not isinstance(model, EncoderDecoder):
+    if not model.config.is_seq2seq:  # the LSTM encoder-decoder has no engine runner: this is the Transformer
         raise APIError(
             400,
             f"the model {server.model_name!r} is a {model.config.family} model; {TRANSLATIONS} needs an "
