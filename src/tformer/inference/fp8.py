@@ -14,7 +14,7 @@ the layout (SmolLM2-135M's 49152 x 576 head, 2 threads, 2026-12-02):
 - fp16 matmuls of one row ran 1.5 ms where bf16 took 2.3-3.0, but 40 rows took 61 ms against 4.1, so batch-1
   decoding multiplies in fp16 and everything else in bf16 (fp16 to bf16 is as slow as fp8 to bf16).
 So FP8 costs a bf16 matmul plus a pass over the weight bytes: it loses to INT8, whose packed kernel reads int8
-straight into its dot products (`docs/quantization.md` has the engine's figures).
+straight into its dot products (`docs/engine.md` has the engine's figures).
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def fp8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> 
     """x (N, in) times the e4m3 weight (out, in) with fp32 scales (out,) -> (N, out) in x's dtype.
 
     Each row of x is scaled to max |x| = 1, so neither fp16's range (65504) nor bf16's with the 2^120 factor
-    can overflow. One row (batch-1 decoding) multiplies in fp16, 1.2x bf16's speed here; more rows in bf16, as
-    fp16 matmuls of 40 rows ran 4-7x slower than bf16. A custom op, so that torch.compile calls it as it is:
+    can overflow. One row (batch-1 decoding) multiplies in fp16, 1.15-1.2x bf16's speed here; more rows in bf16, as
+    fp16 matmuls of 40 rows ran 12-15x slower than bf16. A custom op, so that torch.compile calls it as it is:
     inductor's own fused conversion took 5x longer than these three integer passes."""
     rows = x.float()
     row_max = rows.abs().amax(1, keepdim=True).clamp(min=1e-30)  # (N, 1)
