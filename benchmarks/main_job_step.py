@@ -49,6 +49,7 @@ from train_step import Report
 from tformer import ModelConfig, build_model
 from tformer.layers import Dropout
 from tformer.training import load_recipe
+from tformer.training.host_memory import keep_freed_memory
 from tformer.training.losses import fused_label_smoothed_cross_entropy
 from tformer.training.precision import BF16Weights
 from tformer.training.seeds import seed_dropout
@@ -102,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output", type=Path, default=None)
+    p.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc keeps freed blocks for reuse, as tformer's trainer sets on the CPU (training/host_memory.py); "
+        "for every mode, Marian's too",
+    )
     args = p.parse_args(argv)
     threads = set_threads(args.threads)
     out = Report(args.output)
@@ -109,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         "train_step --workload main-job: the main recipe's model, tformer vs HF MarianMTModel, one training step"
     )
 
+    if args.keep_freed_memory:
+        kept = keep_freed_memory(torch.device("cpu"))
+        out(f"host memory: freed blocks kept for reuse (training/host_memory.py): {kept}")
     data = build_data(seed=1, test_sentences=1)
     tok = data.tokenizer
     batches = BatchStream(data)
