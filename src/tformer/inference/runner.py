@@ -62,12 +62,19 @@ def _last_hidden(hidden: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), last_index]  # (B, d)
 
 
+# The decode step's time at batch 1 is dispatch, not arithmetic: inductor's default checks the size and stride
+# of every input (~1,000 with the parameters) on every call. Without those asserts, SmolLM2 INT4 at batch 1 on 2
+# cores, 128 tokens, alternating engines in one process (2026-12-02, medians of 5): 80.9 -> 93.8 tok/s with another
+# job running, 106 -> 120 on a quiet machine. Dynamo's guards still check every input's shape before the call.
+DECODE_COMPILE_OPTIONS = {"size_asserts": False}
+
+
 class CompiledDecode:
     """The decoder stack for decode steps: compiled on first use when asked to, else the module itself."""
 
     def __init__(self, stack: nn.Module, compile: bool) -> None:
         self.stack = stack
-        self.compiled = torch.compile(stack, dynamic=True) if compile else None
+        self.compiled = torch.compile(stack, dynamic=True, options=DECODE_COMPILE_OPTIONS) if compile else None
 
     def __call__(self, tokens: torch.Tensor, inputs: StackInputs, **kwargs: object) -> torch.Tensor:
         if self.compiled is None or tokens.shape[1] != 1:
