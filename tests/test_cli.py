@@ -86,7 +86,7 @@ def test_generate_streams_what_the_engine_generates(tmp_path, capsys):
     from tformer import ModelConfig, build_model
     from tformer.data.tokenizer import Tokenizer
     from tformer.inference import Engine, SamplingParams
-    from tformer.inference.quantize import W8A8Linear, quantize
+    from tformer.inference.quantize import W8A8Linear, set_precision
     from tformer.serve.loading import load_engine
 
     texts = ["the cat sat on the mat", "a dog ran in the park", "the sun is warm today"] * 20
@@ -126,12 +126,13 @@ def test_generate_streams_what_the_engine_generates(tmp_path, capsys):
     assert main(["generate", "x", "--model", str(tmp_path), "--draft-quantize", "int8"]) == 2
     assert "needs a draft model" in capsys.readouterr().err
     # --quantize w8a8 serves the model with int8 weights and activations: the text of an engine on such a copy
-    # (here the same text as the float model's), from an engine whose linear layers are all W8A8
-    w8a8 = Engine(quantize(copy.deepcopy(model), "w8a8"), tokenizer)
+    # (here the same text as the float model's), from an engine whose linear layers are all W8A8, with q/k/v and
+    # gate/up fused as set_precision serves them
+    w8a8 = Engine(set_precision(copy.deepcopy(model), "float32", "w8a8"), tokenizer)
     expected = w8a8.generate("the cat", SamplingParams(max_tokens=6, temperature=0.0))[0].text
     served = load_engine(tmp_path, quantize="w8a8", dtype="float32").model
     assert not any(type(m) is torch.nn.Linear for m in served.modules())
-    assert sum(isinstance(m, W8A8Linear) for m in served.modules()) == 2 * 7 + 1  # 2 layers of 7, and the head
+    assert sum(isinstance(m, W8A8Linear) for m in served.modules()) == 2 * 4 + 1  # qkv, out, gate_up, down; head
     assert (
         main(
             [

@@ -114,7 +114,8 @@ def test_int4_from_q4_1_keeps_the_files_values_and_serves_like_requantizing() ->
 
 def test_loading_in_the_serving_dtype_maps_the_file_and_equals_casting_afterwards(tmp_path: Path) -> None:
     """A bf16 checkpoint loaded as bf16 stays mapped (no float32 copy on the way) and equals loading it as
-    float32 and casting; `load_engine` asks for the serving dtype at load time."""
+    float32 and casting; `load_engine` asks for the serving dtype at load time (its fused projections are
+    joined copies; the layers it keeps, such as down_proj, stay mapped)."""
     from tformer.serve.loading import load_engine
 
     make_model(tiny_config("tiny-llama")).to(torch.bfloat16).save(tmp_path)
@@ -124,7 +125,7 @@ def test_loading_in_the_serving_dtype_maps_the_file_and_equals_casting_afterward
         assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs), name
     served = load_engine(tmp_path, dtype="bfloat16").model
     for model in (direct, served):
-        weight = model.decoder.layers[0].ffn.up_proj.weight
+        weight = model.decoder.layers[0].ffn.down_proj.weight
         with pytest.raises(RuntimeError):  # a mapped file's storage cannot grow; a copy's could
             weight.untyped_storage().resize_(weight.untyped_storage().nbytes() * 2)
     ids = torch.randint(1, direct.config.vocab_size, (1, 8))

@@ -154,12 +154,12 @@ def test_set_precision_casts_or_quantizes_and_refuses_bad_choices() -> None:
     assert any(isinstance(m, Int8Linear) for m in set_precision(model, "float32", "int8").modules())
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     model = make_model(tiny_config("tiny-llama", d_model=64, n_heads=4, n_kv_heads=2, d_ff=128))
-    weight = model.decoder.layers[0].ffn.up_proj.weight.detach().clone()
+    weight = model.decoder.layers[0].ffn.down_proj.weight.detach().clone()
     set_precision(model, "auto", "int4")  # auto: bf16 activations for the packed kernels' fast path
-    up = model.decoder.layers[0].ffn.up_proj
-    assert isinstance(up, Int4Linear) and up.scales_and_zeros.dtype == torch.bfloat16
+    down = model.decoder.layers[0].ffn.down_proj  # gate and up are fused
+    assert isinstance(down, Int4Linear) and down.scales_and_zeros.dtype == torch.bfloat16
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert (up.dequantized().float() - weight).abs().max() < (weight.abs().max() / 8)  # quantized from fp32 once
+    assert (down.dequantized().float() - weight).abs().max() < (weight.abs().max() / 8)  # quantized from fp32 once
     model = build_model(ModelConfig.from_preset("tiny-llama"))
     assert {p.dtype for p in set_precision(model, "auto").parameters()} == {torch.float32}
     with pytest.raises(ConfigError, match="unknown dtype 'fp8'"):

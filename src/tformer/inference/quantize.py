@@ -28,6 +28,7 @@ from torch import nn
 
 from tformer.config import ConfigError
 from tformer.inference.fp8 import Fp8Linear
+from tformer.inference.fusion import concat_bias, fuse_projections
 
 QUANT_MODES = ("int8", "int4", "w8a8", "fp8")
 
@@ -102,6 +103,25 @@ class Int4Linear(nn.Module):
         self.bias = bias
         self.group_size, self.in_features, self.out_features = in_f // scales.shape[1], in_f, out_f
 
+    @classmethod
+    def concatenated(cls, parts: list[Int4Linear]) -> Int4Linear | None:
+        """One layer with the output rows of `parts` (one group size) in order, their packed bytes joined as they
+        are. torch's CPU packing interleaves blocks of output rows (`packed_row_block`), so every part but the
+        last must hold whole blocks; None otherwise, or for mixed group sizes."""
+        block = packed_row_block()
+        if len({part.group_size for part in parts}) != 1 or block is None:
+            return None
+        if any(part.out_features % block for part in parts[:-1]):
+            return None
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.register_buffer("packed", torch.cat([part.packed for part in parts]))
+        layer.register_buffer("scales_and_zeros", torch.cat([part.scales_and_zeros for part in parts], dim=1))
+        layer.bias = concat_bias(parts)
+        layer.group_size, layer.in_features = parts[0].group_size, parts[0].in_features
+        layer.out_features = sum(part.out_features for part in parts)
+        return layer
+
     def dequantized(self) -> torch.Tensor:
         """The weight the packed kernel multiplies by, read back through the kernel itself: I W^T = W^T."""
         eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
@@ -113,6 +133,18 @@ class Int4Linear(nn.Module):
         out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, sz)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+
+@functools.cache
+def packed_row_block() -> int | None:
+    """How many output rows torch's CPU INT4 packing interleaves (64 on this AVX-512 machine), found by packing:
+    the layout is the kernel's own. Packed layers whose row counts are multiples of it join by concatenation."""
+    q = torch.randint(0, 16, (256, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    for block in (16, 32, 64, 128):
+        halves = [torch._convert_weight_to_int4pack_for_cpu(rows, 1) for rows in (q[:block], q[block:])]
+        if torch.equal(torch._convert_weight_to_int4pack_for_cpu(q, 1), torch.cat(halves)):
+            return block
+    return None
 
 
 # fbgemm's packed int8 weights by handle: torch.compile cannot trace the packed-weight object, so the op below
@@ -253,14 +285,20 @@ def resolve_dtype(dtype: str, quantize_mode: str | None) -> str:
     return "float32" if quantize_mode is None else "bfloat16"
 
 
-def set_precision(model: nn.Module, dtype: str = "auto", quantize_mode: str | None = None) -> nn.Module:
-    """The serving precision of `model`: the linear layers quantized (optionally), then every float tensor cast.
+def set_precision(
+    model: nn.Module, dtype: str = "auto", quantize_mode: str | None = None, fuse: bool = True
+) -> nn.Module:
+    """The serving precision of `model`: projections that read one input fused (`fusion.fuse_projections`,
+    unless `fuse` is False), the linear layers quantized (optionally), then every float tensor cast. The model
+    then serves only: fused, it no longer trains, loads or saves a checkpoint.
 
     Decoding reads every weight once a token, so bf16 halves the bytes (on a CPU with AVX512-BF16 that made
     SmolLM2's batch-1 decoding about 1.4x faster); INT8 / INT4 quarter / eighth the linear layers' bytes.
     Quantization reads the weights before the cast, so a bf16 INT4 model rounds its fp32 weights only once.
     """
     check_precision(dtype, quantize_mode)
+    if fuse:
+        fuse_projections(model)
     if quantize_mode is not None:
         quantize(model, quantize_mode)
     return model.to(WEIGHT_DTYPES[resolve_dtype(dtype, quantize_mode)])

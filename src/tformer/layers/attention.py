@@ -190,6 +190,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.d_model, kv_dim, bias=config.attn_bias)
         self.v_proj = nn.Linear(config.d_model, kv_dim, bias=config.attn_bias)
         self.out_proj = nn.Linear(q_dim, config.d_model, bias=config.attn_bias)
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one layer, for serving: `fuse_projections`
+        self.qkv_sizes = [q_dim, kv_dim, kv_dim]
         self.backend = ATTENTION_BACKENDS[config.attention_backend]
         self.attn_dropout = config.attn_dropout
         self.keep_weights = False
@@ -208,11 +210,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x (B, T, d) -> (B, T, d). With a self-attention `cache`, x holds the tokens at `cache_positions`."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        if self.cross:
+            q = self.to_heads(self.q_proj(x))  # (B, H, T, D)
+        else:
+            q, k, v = self.project_qkv(x)
         if self.query_scale != 1.0:
             q = q * self.query_scale
         if not self.cross:
-            k, v = self.project_kv(x)
             if rotary is not None:
                 q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
             if cache is not None:
@@ -242,9 +246,33 @@ class Attention(nn.Module):
         """
         return self.backend(q, k, v, mask, dropout_p)
 
+    def to_heads(self, projected: torch.Tensor) -> torch.Tensor:
+        """(B, T, heads * D) -> (B, heads, T, D)."""
+        B, T, _ = projected.shape
+        return projected.view(B, T, -1, self.head_dim).transpose(1, 2)
+
     def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of `source` (B, S, d): (B, Hkv, S, D) each, before any rotary embedding."""
-        B, S, _ = source.shape
-        k = self.k_proj(source).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-        v = self.v_proj(source).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-        return k, v
+        return self.to_heads(self.k_proj(source)), self.to_heads(self.v_proj(source))
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (B, H, T, D), keys and values (B, Hkv, T, D) of x, before any rotary embedding."""
+        if self.qkv_proj is None:
+            return self.to_heads(self.q_proj(x)), *self.project_kv(x)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        return self.to_heads(q), self.to_heads(k), self.to_heads(v)
+
+    def fuse_projections(self, concat: Callable[[list[nn.Module]], nn.Module | None]) -> None:
+        """For serving: queries, keys and values of self-attention come from one layer, one matmul instead of
+        three on the same input; `concat` joins layers by their output rows (`tformer.inference.fusion`), or
+        gives None for layers it cannot join, which leaves this module as it is. Otherwise the
+        three layers are dropped, so this module no longer trains, loads or saves q_proj / k_proj / v_proj.
+        Cross-attention keeps them: its queries and its keys and values read different inputs."""
+        if self.cross or self.qkv_proj is not None:
+            return
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        fused = concat(parts)
+        if fused is not None:
+            self.qkv_sizes = [part.out_features for part in parts]
+            self.qkv_proj = fused
+            del self.q_proj, self.k_proj, self.v_proj

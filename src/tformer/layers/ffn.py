@@ -42,9 +42,23 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=config.ffn_bias)
         self.act = ACTIVATIONS[config.ffn]()
         self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.ffn_bias)
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one layer, for serving: `fuse_projections`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+    def fuse_projections(self, concat: Callable[[list[nn.Module]], nn.Module | None]) -> None:
+        """For serving: the gate and up projections become one layer, one matmul on the input instead of two;
+        `concat` joins layers by their output rows, or gives None for layers it cannot join (nothing changes).
+        gate_proj and up_proj are dropped (no more training, loading or saving them)."""
+        fused = None if self.gate_up_proj is not None else concat([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.gate_up_proj = fused
+            del self.gate_proj, self.up_proj
 
 
 FFNS: dict[str, type[nn.Module]] = {
