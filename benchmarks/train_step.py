@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -199,9 +200,13 @@ def make_step(
 
 # ---- report ---------------------------------------------------------------------------------------------
 class Report:
-    def __init__(self, path: Path | None) -> None:
+    """Lines printed and kept for `path`; `prepend` puts them above the reports already in the file (newest
+    first), otherwise the file is replaced."""
+
+    def __init__(self, path: Path | None, prepend: bool = False) -> None:
         self.lines: list[str] = []
         self.path = path
+        self.prepend = prepend
 
     def __call__(self, line: str = "") -> None:
         print(line, flush=True)
@@ -210,6 +215,7 @@ class Report:
     def header(self, title: str) -> None:
         """The report's first lines: what runs, on which machine and checkout, and the load before it starts."""
         self(title)
+        self(f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
         self(f"machine: {machine_info()}")
         self(f"command: {' '.join(sys.argv)}")
         self(f"tformer source: {source_state()}")
@@ -219,7 +225,8 @@ class Report:
     def save(self) -> None:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("\n".join(self.lines) + "\n", encoding="utf-8")
+            older = self.path.read_text(encoding="utf-8") if self.prepend and self.path.is_file() else ""
+            self.path.write_text("\n".join(self.lines) + "\n" + ("\n" + older if older else ""), encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -240,9 +240,15 @@ def gradient_sync(module: nn.Module, sync: bool) -> Iterator[None]:
 
 
 def clip_gradients(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Total gradient norm (clipped to `max_norm` when finite), over plain and sharded (DTensor) gradients."""
+    """Total gradient norm (clipped to `max_norm` when finite), over plain and sharded (DTensor) gradients.
+
+    With no limit (`max_norm` inf: train.clip_grad 0) the norm alone is computed: torch's clip_grad_norm_ would
+    still multiply every gradient by its clamped coefficient of 1.0, a pass over all of them (26 MB of fp32
+    gradients in the main recipe) for nothing."""
     parameters = [p for p in parameters if p.grad is not None]
     if not any(isinstance(p.grad, DTensor) for p in parameters):
+        if not math.isfinite(max_norm):
+            return torch.nn.utils.get_total_norm([p.grad for p in parameters])
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     by_mesh: dict[object, list[torch.Tensor]] = {}  # a sharded norm reduces over its own mesh
     for p in parameters:
