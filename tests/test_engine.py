@@ -117,6 +117,23 @@ def test_compiled_decode_steps_give_the_uncached_tokens(preset: str) -> None:
     assert [alone, *together] == [expected[0], *expected]
 
 
+def test_compiled_engines_of_two_models_keep_their_own_graphs_and_read_weights_in_place() -> None:
+    """The compiled step keeps no guards on the model's modules (runner.DECODE_COMPILE_OPTIONS): each engine's step
+    has its own graph cache, so a second model of another shape in the same process gets its own graph, and
+    weights changed in place after compiling are what the next step reads."""
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompt = [5, 17, 3, 44]
+    models = [make_model(tiny_config("tiny-llama")), make_model(tiny_config("tiny-llama", n_decoder_layers=3), seed=1)]
+    engines = [Engine(m, config=EngineConfig(block_size=4, num_blocks=32, compile=True)) for m in models]
+    for model, engine in zip(models, engines, strict=True):
+        assert engine.generate([prompt], params)[0].token_ids == reference_greedy(model, prompt, 5)
+    with torch.no_grad():
+        for param in models[0].decoder.layers[0].parameters():
+            param.mul_(-1.5)
+    tokens = engines[0].generate([prompt], params)[0].token_ids
+    assert tokens == reference_greedy(models[0], prompt, 5)
+
+
 @pytest.mark.parametrize("beam_width, num_blocks", [(3, 128), (4, 128), (4, 36)], ids=["3", "4", "4-preempting"])
 def test_engine_beam_search_equals_the_offline_beam_search(beam_width: int, num_blocks: int) -> None:
     """Beams as sequences sharing KV blocks (copy-on-write), against search.beam_search_decoder on a contiguous

@@ -17,6 +17,7 @@ chunks, whose widths vary and whose time goes to matmuls, stay eager. The first 
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -62,11 +63,24 @@ def _last_hidden(hidden: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), last_index]  # (B, d)
 
 
-# The decode step's time at batch 1 is dispatch, not arithmetic: inductor's default checks the size and stride
-# of every input (~1,000 with the parameters) on every call. Without those asserts, SmolLM2 INT4 at batch 1 on 2
-# cores, 128 tokens, alternating engines in one process (2026-12-02, medians of 5): 80.9 -> 93.8 tok/s with another
-# job running, 106 -> 120 on a quiet machine. Dynamo's guards still check every input's shape before the call.
-DECODE_COMPILE_OPTIONS = {"size_asserts": False}
+# The decode step's time at batch 1 is dispatch, not arithmetic. Inductor's default checks the size and stride of
+# every input (~1,000 with the parameters) on every call; Dynamo's guards check every module's attributes and every
+# parameter's shape. Without the asserts, SmolLM2 INT4 at batch 1 on 2 cores, 128 tokens, alternating engines in
+# one process (2026-12-02, medians of 5): 80.9 -> 93.8 tok/s with another job running, 106 -> 120 quiet. Without
+# the module guards as well (one process per variant, alternating): 96.0 -> 109.8 and 101.6 -> 115.8 tok/s.
+# The guards left check the step's inputs (tokens, positions, cache tensors), so batch 1 and larger batches still
+# get graphs of their own. Dropping the module guards is safe because an engine's model is frozen: nothing changes
+# its modules once it serves (weights updated in place are still read at each call), and each engine's step has a
+# code object, hence a graph cache, of its own, so no two models ever share a graph.
+DECODE_COMPILE_OPTIONS = {
+    "size_asserts": False,
+    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+}
+
+
+def _with_own_code(fn: Callable) -> Callable:
+    """`fn` with a code object of its own: Dynamo keeps compiled graphs and their guards per code object."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 class CompiledDecode:
@@ -74,7 +88,14 @@ class CompiledDecode:
 
     def __init__(self, stack: nn.Module, compile: bool) -> None:
         self.stack = stack
-        self.compiled = torch.compile(stack, dynamic=True, options=DECODE_COMPILE_OPTIONS) if compile else None
+        self.compiled = None
+        if compile:
+
+            def decode_step(tokens: torch.Tensor, inputs: StackInputs, **kwargs: object) -> torch.Tensor:
+                return stack(tokens, inputs, **kwargs)
+
+            step = _with_own_code(decode_step)
+            self.compiled = torch.compile(step, dynamic=True, options=DECODE_COMPILE_OPTIONS)
 
     def __call__(self, tokens: torch.Tensor, inputs: StackInputs, **kwargs: object) -> torch.Tensor:
         if self.compiled is None or tokens.shape[1] != 1:

@@ -56,8 +56,10 @@ def sdpa_attention(
     if on_cpu and low_precision and q.requires_grad and k.shape[2] <= CPU_TRAINING_MATH_MAX_KEYS:
         return math_attention(q, k, v, mask, dropout_p)[0], None
     bias = None if mask.bias is None else mask.bias.to(q.dtype)
+    grouped = True if k.shape[1] != q.shape[1] else False  # noqa: SIM210 - a plain bool under torch.compile too,
+    # where an input's head count may be symbolic and the comparison a SymBool, which the kernel refuses
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=mask.fast_causal(), enable_gqa=k.shape[1] != q.shape[1]
+        q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=mask.fast_causal(), enable_gqa=grouped
     )
     return out, None
 
