@@ -120,7 +120,8 @@ def test_compiled_decode_steps_give_the_uncached_tokens(preset: str) -> None:
 def test_compiled_engines_of_two_models_keep_their_own_graphs_and_read_weights_in_place() -> None:
     """The compiled step keeps no guards on the model's modules (runner.DECODE_COMPILE_OPTIONS): each engine's step
     has its own graph cache, so a second model of another shape in the same process gets its own graph, and
-    weights changed in place after compiling are what the next step reads."""
+    weights changed in place after compiling are what the next step reads; a new engine over the same model
+    compiles nothing again."""
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     prompt = [5, 17, 3, 44]
     models = [make_model(tiny_config("tiny-llama")), make_model(tiny_config("tiny-llama", n_decoder_layers=3), seed=1)]
@@ -132,6 +133,12 @@ def test_compiled_engines_of_two_models_keep_their_own_graphs_and_read_weights_i
             param.mul_(-1.5)
     tokens = engines[0].generate([prompt], params)[0].token_ids
     assert tokens == reference_greedy(models[0], prompt, 5)
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]["ok"]
+    again = Engine(models[0], config=EngineConfig(block_size=4, num_blocks=32, compile=True))
+    assert again.generate([prompt], params)[0].token_ids == tokens
+    assert counters["frames"]["ok"] == frames  # a new engine over the same model reuses its graphs
 
 
 @pytest.mark.parametrize("beam_width, num_blocks", [(3, 128), (4, 128), (4, 36)], ids=["3", "4", "4-preempting"])

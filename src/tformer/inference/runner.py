@@ -18,6 +18,7 @@ chunks, whose widths vary and whose time goes to matmuls, stay eager. The first 
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -70,17 +71,32 @@ def _last_hidden(hidden: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor
 # the module guards as well (one process per variant, alternating): 96.0 -> 109.8 and 101.6 -> 115.8 tok/s.
 # The guards left check the step's inputs (tokens, positions, cache tensors), so batch 1 and larger batches still
 # get graphs of their own. Dropping the module guards is safe because an engine's model is frozen: nothing changes
-# its modules once it serves (weights updated in place are still read at each call), and each engine's step has a
-# code object, hence a graph cache, of its own, so no two models ever share a graph.
+# its modules once it serves (weights updated in place are still read at each call), and each model's step has a
+# code object, hence a graph cache, of its own (`compiled_decode_step`), so no two models ever share a graph.
 DECODE_COMPILE_OPTIONS = {
     "size_asserts": False,
     "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
 }
 
 
-def _with_own_code(fn: Callable) -> Callable:
-    """`fn` with a code object of its own: Dynamo keeps compiled graphs and their guards per code object."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+def _decode_step(stack: nn.Module, tokens: torch.Tensor, inputs: StackInputs, **kwargs: object) -> torch.Tensor:
+    return stack(tokens, inputs, **kwargs)
+
+
+# The compiled step of each decoder stack, made once: engines over one model share its graphs.
+_COMPILED_STEPS: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
+
+
+def compiled_decode_step(stack: nn.Module) -> Callable:
+    """`stack`'s compiled decode step, `step(stack, tokens, inputs, **kwargs)`. Each stack gets a copy of the step
+    function with a code object of its own, since Dynamo keeps graphs and guards per code object: another model
+    never meets this one's graphs, and a new engine over the same model compiles nothing again."""
+    step = _COMPILED_STEPS.get(stack)
+    if step is None:
+        code = _decode_step.__code__.replace()
+        own = types.FunctionType(code, _decode_step.__globals__, _decode_step.__name__)
+        step = _COMPILED_STEPS[stack] = torch.compile(own, dynamic=True, options=DECODE_COMPILE_OPTIONS)
+    return step
 
 
 class CompiledDecode:
@@ -88,20 +104,13 @@ class CompiledDecode:
 
     def __init__(self, stack: nn.Module, compile: bool) -> None:
         self.stack = stack
-        self.compiled = None
-        if compile:
-
-            def decode_step(tokens: torch.Tensor, inputs: StackInputs, **kwargs: object) -> torch.Tensor:
-                return stack(tokens, inputs, **kwargs)
-
-            step = _with_own_code(decode_step)
-            self.compiled = torch.compile(step, dynamic=True, options=DECODE_COMPILE_OPTIONS)
+        self.compiled = compiled_decode_step(stack) if compile else None
 
     def __call__(self, tokens: torch.Tensor, inputs: StackInputs, **kwargs: object) -> torch.Tensor:
         if self.compiled is None or tokens.shape[1] != 1:
             return self.stack(tokens, inputs, **kwargs)
         try:
-            return self.compiled(tokens, inputs, **kwargs)
+            return self.compiled(self.stack, tokens, inputs, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as err:
             raise RuntimeError(
                 f"compiling the decode step failed ({type(err.inner_exception).__name__}: {err.inner_exception}); "
