@@ -75,6 +75,14 @@ BEFORE = "tformer fp32, dropout 0.1 (before)"
 RECIPE_MODE = "tformer bf16 weights (the recipe)"
 
 
+def record_step(side: Side, start: float, cpu: float, batch: Batch, loss_sum: torch.Tensor) -> None:
+    """One step of `side`: its wall and CPU time since `start` / `cpu`, its target tokens and its mean loss."""
+    side.times.append(time.perf_counter() - start)
+    side.cpu.append(time.process_time() - cpu)
+    side.tokens.append(batch.tokens)
+    side.losses.append(loss_sum.item() / batch.tokens)
+
+
 class MasterWeightsSide(Side):
     """Side's step as the trainer takes it under `train.bf16_weights`: forward and backward on a bf16 copy of the
     model, the fused loss, the bf16 gradients into the fp32 masters, Adam on the masters, new weights back.
@@ -116,10 +124,7 @@ class MasterWeightsSide(Side):
         self.weights.weights_from_master()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.times.append(time.perf_counter() - start)
-        self.cpu.append(time.process_time() - cpu)
-        self.tokens.append(batch.tokens)
-        self.losses.append(loss_sum.item() / batch.tokens)
+        record_step(self, start, cpu, batch, loss_sum)
 
 
 class AutocastSide(Side):
@@ -138,10 +143,7 @@ class AutocastSide(Side):
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.times.append(time.perf_counter() - start)
-        self.cpu.append(time.process_time() - cpu)
-        self.tokens.append(batch.tokens)
-        self.losses.append(loss_sum.item() / batch.tokens)
+        record_step(self, start, cpu, batch, loss_sum)
 
 
 def paper_adam_as(model: nn.Module, implementation: str) -> tuple:
