@@ -193,3 +193,14 @@ def test_a_quantized_model_is_not_saved_as_a_checkpoint(mode: str, tmp_path) -> 
     with pytest.raises(CheckpointError, match=r"quantized model \(int8, int4, w8a8\) cannot be saved"):
         model.save(tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_the_int8_op_runs_the_bare_fbgemm_kernel_and_has_a_fake_for_compile() -> None:
+    """The dispatcher-registered op (no custom_op wrapper) gives fbgemm's result bit for bit, and its fake
+    kernel matches the real one's shape and dtype, which torch.compile traces through."""
+    layer = W8A8Linear(torch.nn.Linear(64, 32))
+    x = torch.randn(3, 64)
+    expected = torch.ops.quantized.linear_dynamic(x, layer.packed, False)
+    assert torch.equal(torch.ops.tformer.int8_dynamic_matmul(x, layer.handle, 32, False), expected)
+    op = torch.ops.tformer.int8_dynamic_matmul.default
+    torch.library.opcheck(op, (x, layer.handle, 32, False), test_utils="test_faketensor")
