@@ -5,7 +5,8 @@ the Hugging Face reference models in hf_cases.py and the serving helpers in serv
   mixed lengths, the decoder variants the engine must serve, and the chi-square statistic.
 - The training tests: a tiny recipe on a synthetic corpus, the trainer built from it or run as `tformer train`.
 - The fine-tuning and LoRA tests: the pretrained model's text, a recipe from it, a run interrupted and resumed.
-- The GGUF tests: llama.cpp's permutation of q and k rows, and a transformers LLaMA's tensors and metadata as GGUF.
+- The GGUF tests: llama.cpp's permutation of q and k rows, a transformers LLaMA's tensors and metadata as GGUF,
+  and a small SentencePiece vocabulary with byte fallback as a GGUF file.
 - The figure tests: a drawn PNG.
 """
 
@@ -246,6 +247,27 @@ LAYER_NAMES = {  # transformers LlamaForCausalLM -> GGUF, per layer
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+
+
+def write_spm_gguf(path: Path, pieces: list[str]) -> Path:
+    """A LLaMA-style SentencePiece vocabulary as a GGUF file with no tensors: <unk>, <s>, </s>, the 256 byte
+    pieces <0x00>..<0xFF> (byte fallback), then `pieces` scored 0, -1, -2, ... in their order."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), *pieces]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))  # unknown, control, byte, normal
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def gguf_tensors(model: Any) -> dict[str, np.ndarray]:

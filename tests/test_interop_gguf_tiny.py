@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from helpers import gguf_tensors, llama_cpp_permute, llama_metadata
+from helpers import gguf_tensors, llama_cpp_permute, llama_metadata, write_spm_gguf
 
 import tformer.models.init
 from tformer.interop.gguf import GGUFError, dequantize_tensor, from_gguf, open_gguf, unpermute_rope_rows
@@ -319,19 +319,7 @@ def test_sentencepiece_tokenizer_from_gguf_matches_transformers(tmp_path: Path) 
         space * 2,
         "lo",
     ]
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), *pieces]
-    writer = gguf.GGUFWriter(tmp_path / "spm.gguf", "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))  # unknown, control, byte, normal
-    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_spm_gguf(tmp_path / "spm.gguf", pieces)
     ours = tokenizer_from_gguf(tmp_path / "spm.gguf")
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
     assert ours.add_bos  # llama.cpp's default for SentencePiece vocabularies

@@ -13,9 +13,9 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-import gguf
 import pytest
 from conftest import smollm2_path
+from helpers import write_spm_gguf
 
 from tformer.data.corpora import bible_pairs
 from tformer.data.tokenizer import Tokenizer
@@ -65,20 +65,7 @@ def spm_byte_fallback(path: Path) -> Tokenizer:
     """A small LLaMA-style SentencePiece vocabulary: every character outside it falls back to <0xXX> bytes."""
     space = "\u2581"
     pieces = [space, *"abcdeghilnorstuw", f"{space}a", "er", f"{space}d", "ch", "ein", f"{space}und", "ll", "en"]
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), *pieces]
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))  # unknown, control, byte, normal
-    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return tokenizer_from_gguf(path)
+    return tokenizer_from_gguf(write_spm_gguf(path, pieces))
 
 
 @pytest.fixture(scope="module", params=["smollm2", "spm-byte-fallback", "en-de-bpe"])
