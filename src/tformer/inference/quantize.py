@@ -96,12 +96,19 @@ class Int4Linear(nn.Module):
 
     def _pack(self, q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Packs q (out, in) for the CPU kernel beside its (groups, out, 2) scales and zero points."""
-        out_f, in_f = q.shape
         zeros = minimums + 8 * scales  # the kernel computes (q - 8) * scale + zero
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
-        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], -1).transpose(0, 1).contiguous())
+        scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
+        self._hold(torch._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros, bias, q.shape[1])
+
+    def _hold(
+        self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None, in_features: int
+    ) -> None:
+        """Keeps packed weights and their (groups, out, 2) scales and zero points; the sizes follow from them."""
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.bias = bias
-        self.group_size, self.in_features, self.out_features = in_f // scales.shape[1], in_f, out_f
+        groups, self.out_features = scales_and_zeros.shape[:2]
+        self.in_features, self.group_size = in_features, in_features // groups
 
     @classmethod
     def concatenated(cls, parts: list[Int4Linear]) -> Int4Linear | None:
@@ -115,11 +122,8 @@ class Int4Linear(nn.Module):
             return None
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.register_buffer("packed", torch.cat([part.packed for part in parts]))
-        layer.register_buffer("scales_and_zeros", torch.cat([part.scales_and_zeros for part in parts], dim=1))
-        layer.bias = concat_bias(parts)
-        layer.group_size, layer.in_features = parts[0].group_size, parts[0].in_features
-        layer.out_features = sum(part.out_features for part in parts)
+        sz = torch.cat([part.scales_and_zeros for part in parts], dim=1)
+        layer._hold(torch.cat([part.packed for part in parts]), sz, concat_bias(parts), parts[0].in_features)
         return layer
 
     def dequantized(self) -> torch.Tensor:

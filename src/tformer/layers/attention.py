@@ -193,7 +193,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.d_model, kv_dim, bias=config.attn_bias)
         self.out_proj = nn.Linear(q_dim, config.d_model, bias=config.attn_bias)
         self.qkv_proj: nn.Module | None = None  # q, k and v in one layer, for serving: `fuse_projections`
-        self.qkv_sizes = [q_dim, kv_dim, kv_dim]
+        self.qkv_sizes: list[int] = []  # the widths of q, k and v in qkv_proj's output, set with it
         self.backend = ATTENTION_BACKENDS[config.attention_backend]
         self.attn_dropout = config.attn_dropout
         self.keep_weights = False
