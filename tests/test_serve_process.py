@@ -161,3 +161,17 @@ def test_sigterm_lets_streams_finish_then_exits(cli) -> None:
     assert cli.process.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after shutting down
     log = cli.log.read_text()
     assert "Traceback" not in log and "Finished server process" in log, log
+
+
+def test_the_server_runs_on_uvloop_and_httptools() -> None:
+    """`tformer serve` leaves uvicorn's loop and parser on "auto": with tformer's dependencies installed, that is
+    uvloop and httptools, not asyncio's loop and the pure-Python h11."""
+    import uvloop
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from tformer.serve.server import uvicorn_config
+
+    config = uvicorn_config(lambda scope, receive, send: None, "127.0.0.1", 0, 1.0)
+    config.load()
+    assert config.http_protocol_class is HttpToolsProtocol
+    assert config.get_loop_factory() is uvloop.new_event_loop
