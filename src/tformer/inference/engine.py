@@ -198,16 +198,18 @@ class Engine:
         logits = self.runner.logits(seqs, batch, views)  # (B, V)
         if self.drafter is not None:
             self.drafter.follow(seqs, batch)
+        greedy = logits.argmax(-1).tolist() if any(seq.params.greedy for seq in seqs) else None  # one call, not B
         outputs = []
         for row, (seq, n) in enumerate(scheduled):
             self.scheduler.update_from_output(seq, n)
             if seq.n_pending == 0:
-                outputs += self._next_token(seq, logits[row])
+                outputs += self._next_token(seq, logits[row], greedy[row] if greedy else None)
         return outputs
 
-    def _next_token(self, seq: Sequence, logits: torch.Tensor) -> list[RequestOutput]:
+    def _next_token(self, seq: Sequence, logits: torch.Tensor, best: int | None = None) -> list[RequestOutput]:
         """A sequence's next token from its logits (V,): a beam's step, or a sample's token (and on the first
-        token of a request with n samples, its forks' first tokens from the same logits)."""
+        token of a request with n samples, its forks' first tokens from the same logits). `best` is the logits'
+        argmax when the caller has it (a greedy sample takes it)."""
         request = self.requests[seq.request_id]
         if request.beams is not None:
             return self._beam_step(request, seq, logits)
@@ -220,7 +222,8 @@ class Engine:
             members += forks
         outputs = []
         for member in members:
-            member.output.append(sample_token(logits, member.params, member.generator))
+            greedy = member.params.greedy and best is not None
+            member.output.append(best if greedy else sample_token(logits, member.params, member.generator))
             outputs.append(self._emit(member))
         return outputs
 
