@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tformer.inference.paged_attention import paged_decode_attention, supports
 from tformer.models import TransformerModel
 
 FREED = -1  # a block table entry whose block went back to the pool (it fell out of the sliding window)
@@ -297,8 +298,17 @@ class PagedKVCache:
         read_slots = self.slots(tables, key_positions)  # (B, n_keys)
         if keep is not None:
             write_slots = write_slots[keep]
+        key_lengths = None  # a decode step: each row reads keys 0..position in place (paged_decode_attention)
+        if (
+            positions.shape[1] == 1
+            and keep is None
+            and key_starts is None
+            and supports(self.k[0].dtype, positions.device)
+        ):
+            key_lengths = positions[:, 0] + 1
         return [
-            PagedLayerKV(k, v, write_slots, keep, read_slots, key_starts) for k, v in zip(self.k, self.v, strict=True)
+            PagedLayerKV(k, v, write_slots, keep, read_slots, key_starts, key_lengths)
+            for k, v in zip(self.k, self.v, strict=True)
         ]
 
 
@@ -313,18 +323,25 @@ class PagedLayerKV:
         keep: torch.Tensor | None,
         read_slots: torch.Tensor,
         key_starts: torch.Tensor | None = None,
+        key_lengths: torch.Tensor | None = None,
     ) -> None:
         self.k, self.v = k, v
         self.write_slots, self.keep, self.read_slots = write_slots, keep, read_slots
         self.key_starts = key_starts  # (B, 1) each row's first key position under a sliding window, else None
+        self.key_lengths = key_lengths  # (B,) keys each row reads in a decode step, when it attends in place
+
+    @property
+    def attends_in_place(self) -> bool:
+        """Whether `attend_in_place` serves this step (single queries, no window, a dtype the kernel takes)."""
+        return self.key_lengths is not None
 
     @property
     def key_count(self) -> int:
         """Keys every row reads this step (the batch's largest position plus one, or its widest window)."""
         return self.read_slots.shape[1]
 
-    def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes k, v (B, Hkv, T, D) of the real tokens, returns every row's keys and values (B, Hkv, Tk, D)."""
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes k, v (B, Hkv, T, D) of the real tokens into their slots."""
         B, H, T, D = k.shape
         new_k = k.transpose(1, 2).reshape(B * T, H, D)
         new_v = v.transpose(1, 2).reshape(B * T, H, D)
@@ -332,6 +349,19 @@ class PagedLayerKV:
             new_k, new_v = new_k[self.keep], new_v[self.keep]
         self.k.index_copy_(0, self.write_slots, new_k.to(self.k.dtype))
         self.v.index_copy_(0, self.write_slots, new_v.to(self.v.dtype))
+
+    def attend_in_place(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Writes k, v, then returns causal attention of the single queries q (B, H, 1, D) over each row's keys,
+        read where they lie (`paged_decode_attention`): (B, H, 1, D)."""
+        assert self.key_lengths is not None, "attend_in_place serves decode steps only (see attends_in_place)"
+        self.write(k, v)
+        return paged_decode_attention(q.to(self.k.dtype), self.k, self.v, self.read_slots, self.key_lengths)
+
+    def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes k, v (B, Hkv, T, D) of the real tokens, returns every row's keys and values (B, Hkv, Tk, D)."""
+        self.write(k, v)
         keys = self.k[self.read_slots]  # (B, Tk, Hkv, D)
         values = self.v[self.read_slots]
         return keys.transpose(1, 2), values.transpose(1, 2)

@@ -221,6 +221,9 @@ class Attention(nn.Module):
         if not self.cross:
             if rotary is not None:
                 q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+            if cache is not None and T == 1 and self.attends_in_cache(cache, mask):
+                out = cache.attend_in_place(cache_positions, q, k, v)  # type: ignore[union-attr]  # (B, H, 1, D)
+                return self.out_proj(out.transpose(1, 2).reshape(B, T, -1))
             if cache is not None:
                 k, v = cache.update(cache_positions, k, v)  # (B, Hkv, Tk, D)
         elif cache is not None and cache.k is not None:
@@ -238,6 +241,20 @@ class Attention(nn.Module):
             self.last_weights = None if weights is None else weights.detach()
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
         return self.out_proj(out)
+
+    def attends_in_cache(self, cache: SelfAttentionCache, mask: AttentionMask) -> bool:
+        """Whether a decode step's single queries may attend inside `cache` (see `SelfAttentionCache`): the cache
+        offers it, causality is the mask's only rule, and this layer computes plain softmax attention over all its
+        heads (no kept weights, dropout, tensor-parallel shard, other backend or replaced `attend`)."""
+        return (
+            getattr(cache, "attends_in_place", False)
+            and mask.causal_only()
+            and self.backend is sdpa_attention
+            and type(self).attend is Attention.attend
+            and not self.keep_weights
+            and not (self.training and self.attn_dropout)
+            and self.heads == slice(None)
+        )
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float

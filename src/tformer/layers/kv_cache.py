@@ -106,7 +106,12 @@ class CrossKV:
 
 
 class SelfAttentionCache(Protocol):
-    """Anything a self-attention layer can read and write its keys and values through."""
+    """Anything a self-attention layer can read and write its keys and values through.
+
+    A cache may also attend by itself: when its `attends_in_place` is true (the engine's paged cache in a decode
+    step), `attend_in_place(positions, q, k, v)` writes k and v and returns causal attention of the single queries q
+    (B, H, 1, D) over each row's keys up to its position, without copying the keys out.
+    """
 
     def update(
         self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -48,6 +48,12 @@ class AttentionMask:
         rules = (self.key_padding, self.window, self.query_slots, self.prefix_lengths, self.position_bias)
         return any(rule is not None for rule in rules) or (self.is_causal and n_queries != n_keys)
 
+    def causal_only(self) -> bool:
+        """Whether causality is the only rule (each query sees the keys up to its own slot): no padding, window,
+        prefix, global tokens or position bias."""
+        rules = (self.key_padding, self.global_tokens, self.window, self.prefix_lengths, self.position_bias)
+        return self.is_causal and all(rule is None for rule in rules)
+
     def fast_causal(self) -> bool:
         """Whether a kernel's own causal flag applies: causal, with no bias built and no other rule."""
         return self.is_causal and self.bias is None

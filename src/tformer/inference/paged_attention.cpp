@@ -1,0 +1,180 @@
+// Decode attention over a paged KV cache, reading each row's keys and values where they lie: see paged_attention.py.
+// Built by tformer.inference.paged_attention.kernel() with the machine's C++ compiler (-O3 -march=native -fopenmp).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <omp.h>
+
+static inline float to_float(float x) { return x; }
+static inline float to_float(uint16_t x) {  // bfloat16: the high half of a float
+    uint32_t bits = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+static inline void store(float* out, float x) { *out = x; }
+static inline void store(uint16_t* out, float x) {  // round to nearest even, as torch does
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) { *out = uint16_t((bits >> 16) | 0x40u); return; }  // NaN stays NaN
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    *out = uint16_t(bits >> 16);
+}
+
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TFORMER_AVX512 1
+static inline __m512 load16(const uint16_t* p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+// e^x for x <= 0: 2^n times a degree-6 polynomial in r = x - n ln2, |r| <= ln2 / 2 (relative error ~2e-7)
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(0.0013888889f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.008333334f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.041666668f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.16666667f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+constexpr int64_t MAX_CHUNKS = 16;  // head_dim up to 256
+constexpr int64_t MAX_REP = 16;     // query heads per KV head
+
+// One (row, KV head): scores, softmax and the weighted sum of values, 16 lanes at a time. D % 16 == 0.
+template <typename T>
+static void attend_one(const T* q, const T* k, const T* v, const int64_t* row_slots, int64_t n, int64_t Hkv,
+                       int64_t g, int64_t rep, int64_t D, int64_t max_keys, float scale, float* scores, T* out) {
+    const int64_t chunks = D / 16;
+    __m512 query[MAX_REP * MAX_CHUNKS], acc[MAX_REP * MAX_CHUNKS], row[MAX_CHUNKS];
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < rep * chunks; ++i) {
+        query[i] = _mm512_mul_ps(load16(q + i * 16), scale16);
+        acc[i] = _mm512_setzero_ps();
+    }
+    for (int64_t t = 0; t < n; ++t) {
+        const T* key = k + (row_slots[t] * Hkv + g) * D;
+        for (int64_t c = 0; c < chunks; ++c) row[c] = load16(key + c * 16);
+        for (int64_t r = 0; r < rep; ++r) {
+            __m512 dot = _mm512_mul_ps(query[r * chunks], row[0]);
+            for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(query[r * chunks + c], row[c], dot);
+            scores[r * max_keys + t] = _mm512_reduce_add_ps(dot);
+        }
+    }
+    for (int64_t r = 0; r < rep; ++r) {
+        float* sr = scores + r * max_keys;
+        __m512 top16 = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 m = n - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - t)) - 1);
+            top16 = _mm512_mask_max_ps(top16, m, top16, _mm512_maskz_loadu_ps(m, sr + t));
+        }
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(top16));
+        __m512 total16 = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 m = n - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - t)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sr + t), top)));
+            _mm512_mask_storeu_ps(sr + t, m, e);
+            total16 = _mm512_add_ps(total16, e);
+        }
+        const float inverse = 1.f / _mm512_reduce_add_ps(total16);
+        for (int64_t t = 0; t < n; ++t) sr[t] *= inverse;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+        const T* value = v + (row_slots[t] * Hkv + g) * D;
+        for (int64_t c = 0; c < chunks; ++c) row[c] = load16(value + c * 16);
+        for (int64_t r = 0; r < rep; ++r) {
+            const __m512 w = _mm512_set1_ps(scores[r * max_keys + t]);
+            for (int64_t c = 0; c < chunks; ++c) acc[r * chunks + c] = _mm512_fmadd_ps(w, row[c], acc[r * chunks + c]);
+        }
+    }
+    alignas(64) float lanes[16];
+    for (int64_t i = 0; i < rep * chunks; ++i) {
+        _mm512_store_ps(lanes, acc[i]);
+        for (int j = 0; j < 16; ++j) store(out + i * 16 + j, lanes[j]);
+    }
+}
+#endif
+
+// q (B, H, D), k and v (slots, Hkv, D), slots (B, max_keys): row b reads keys slots[b, 0 .. lengths[b] - 1].
+template <typename T>
+static void attend(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lengths, int64_t B,
+                   int64_t H, int64_t Hkv, int64_t D, int64_t max_keys, float scale, int threads, T* out) {
+    const int64_t rep = H / Hkv;
+    #pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> query(rep * D), acc(rep * D), scores(rep * max_keys);
+        #pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; ++b) {
+            for (int64_t g = 0; g < Hkv; ++g) {
+                int64_t n = lengths[b] < max_keys ? lengths[b] : max_keys;
+                const int64_t* row_slots = slots + b * max_keys;
+                const T* row_q = q + (b * H + g * rep) * D;
+#ifdef TFORMER_AVX512
+                if (D % 16 == 0 && D <= 16 * MAX_CHUNKS && rep <= MAX_REP && n > 0) {
+                    attend_one(row_q, k, v, row_slots, n, Hkv, g, rep, D, max_keys, scale, scores.data(),
+                               out + (b * H + g * rep) * D);
+                    continue;
+                }
+#endif
+                for (int64_t i = 0; i < rep * D; ++i) query[i] = to_float(row_q[i]) * scale;
+                for (int64_t t = 0; t < n; ++t) {
+                    const T* key = k + (row_slots[t] * Hkv + g) * D;
+                    for (int64_t r = 0; r < rep; ++r) {
+                        const float* qr = query.data() + r * D;
+                        float s = 0.f;
+                        #pragma omp simd reduction(+ : s)
+                        for (int64_t d = 0; d < D; ++d) s += qr[d] * to_float(key[d]);
+                        scores[r * max_keys + t] = s;
+                    }
+                }
+                for (int64_t r = 0; r < rep; ++r) {
+                    float* sr = scores.data() + r * max_keys;
+                    float top = -INFINITY;
+                    for (int64_t t = 0; t < n; ++t) top = sr[t] > top ? sr[t] : top;
+                    float total = 0.f;
+                    for (int64_t t = 0; t < n; ++t) {
+                        sr[t] = std::exp(sr[t] - top);
+                        total += sr[t];
+                    }
+                    float inverse = n > 0 ? 1.f / total : 0.f;
+                    for (int64_t t = 0; t < n; ++t) sr[t] *= inverse;
+                }
+                std::fill(acc.begin(), acc.end(), 0.f);
+                for (int64_t t = 0; t < n; ++t) {
+                    const T* value = v + (row_slots[t] * Hkv + g) * D;
+                    for (int64_t r = 0; r < rep; ++r) {
+                        const float w = scores[r * max_keys + t];
+                        float* ar = acc.data() + r * D;
+                        #pragma omp simd
+                        for (int64_t d = 0; d < D; ++d) ar[d] += w * to_float(value[d]);
+                    }
+                }
+                T* row_out = out + (b * H + g * rep) * D;
+                for (int64_t i = 0; i < rep * D; ++i) store(row_out + i, acc[i]);
+            }
+        }
+    }
+}
+
+extern "C" void paged_decode_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                            const int64_t* slots, const int64_t* lengths, int64_t B, int64_t H,
+                                            int64_t Hkv, int64_t D, int64_t max_keys, float scale, int threads,
+                                            uint16_t* out) {
+    attend(q, k, v, slots, lengths, B, H, Hkv, D, max_keys, scale, threads, out);
+}
+
+extern "C" void paged_decode_attention_f32(const float* q, const float* k, const float* v, const int64_t* slots,
+                                           const int64_t* lengths, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                                           int64_t max_keys, float scale, int threads, float* out) {
+    attend(q, k, v, slots, lengths, B, H, Hkv, D, max_keys, scale, threads, out);
+}

@@ -1,0 +1,139 @@
+"""The paged decode attention kernel against the plain softmax formula, inside a compiled graph, and in the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, tiny_config
+from helpers import DECODERS, prompts_of_mixed_lengths, reference_greedy
+
+from tformer.inference import paged_attention
+from tformer.inference.engine import Engine, EngineConfig
+from tformer.inference.paged import PagedLayerKV
+from tformer.inference.paged_attention import kernel, paged_decode_attention
+from tformer.inference.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(kernel() is None, reason="no C++ compiler to build the kernel with")
+
+BF16_MARGIN = 2e-2  # bf16 output rounding (8 bits of mantissa) on values of magnitude ~1, and bf16 inputs
+
+
+def paged_case(rows: int, n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, block: int = 4):
+    """Queries, a cache of shuffled blocks, each row's slot table and key count (1 to 37, the longest padded)."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 38, (rows,), generator=generator)
+    lengths[0], lengths[-1] = 1, 37
+    width = int(lengths.max())
+    n_blocks = -(-width // block)
+    cache_blocks = rows * n_blocks + 3
+    k = torch.randn(cache_blocks * block, n_kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(cache_blocks * block, n_kv_heads, head_dim, generator=generator).to(dtype)
+    tables = torch.randperm(cache_blocks, generator=generator)[: rows * n_blocks].reshape(rows, n_blocks)
+    position = torch.arange(width)
+    slots = tables[:, position // block] * block + position % block
+    q = torch.randn(rows, n_heads, 1, head_dim, generator=generator).to(dtype)
+    return q, k, v, slots, lengths
+
+
+def softmax_formula(q, k, v, slots, lengths) -> torch.Tensor:
+    """softmax(q K^T / sqrt(D)) V row by row in float64, query head h reading KV head h // (H / Hkv)."""
+    rows, n_heads, _, head_dim = q.shape
+    rep = n_heads // k.shape[1]
+    out = torch.empty(rows, n_heads, 1, head_dim, dtype=torch.float64)
+    for b in range(rows):
+        keys = k[slots[b, : lengths[b]]].double().repeat_interleave(rep, dim=1).transpose(0, 1)  # (H, n, D)
+        values = v[slots[b, : lengths[b]]].double().repeat_interleave(rep, dim=1).transpose(0, 1)
+        weights = torch.softmax(q[b].double() @ keys.transpose(1, 2) / head_dim**0.5, dim=-1)  # (H, 1, n)
+        out[b] = weights @ values
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [64, 24], ids=["vectorized", "generic"])  # AVX-512 path needs D % 16 == 0
+@pytest.mark.parametrize("n_heads, n_kv_heads", [(9, 3), (4, 4), (4, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_equals_the_softmax_formula(head_dim: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype) -> None:
+    case = paged_case(6, n_heads, n_kv_heads, head_dim, dtype)
+    out = paged_decode_attention(*case)
+    assert out.dtype == dtype and out.shape == case[0].shape
+    tolerance = 1e-5 if dtype == torch.float32 else BF16_MARGIN
+    torch.testing.assert_close(out.double(), softmax_formula(*case), atol=tolerance, rtol=tolerance)
+
+
+def test_kernel_is_an_op_a_compiled_graph_calls() -> None:
+    case = paged_case(5, 9, 3, 64, torch.bfloat16)
+    torch.library.opcheck(torch.ops.tformer.paged_decode_attention.default, case)
+    compiled = torch.compile(lambda *args: paged_decode_attention(*args) * 2, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(*case), paged_decode_attention(*case) * 2, atol=0, rtol=0)
+
+
+def test_without_a_compiler_there_is_no_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path, caplog) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    kernel.cache_clear()
+    try:
+        assert kernel() is None
+        assert not paged_attention.supports(torch.bfloat16, torch.device("cpu"))
+        assert "paged decode attention unavailable" in caplog.text
+    finally:
+        kernel.cache_clear()  # the next call, after the monkeypatch is undone, loads the real kernel again
+
+
+@pytest.fixture
+def in_place_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the layers that attended in place, batch size each."""
+    calls: list[int] = []
+    attend = PagedLayerKV.attend_in_place
+
+    def counted(self, positions, q, k, v):
+        calls.append(q.shape[0])
+        return attend(self, positions, q, k, v)
+
+    monkeypatch.setattr(PagedLayerKV, "attend_in_place", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(preset="tiny-llama"), dict(preset="tiny-llama", d_model=128, n_heads=4, n_kv_heads=2)],
+    ids=["head-dim-16", "head-dim-32-gqa"],
+)
+def test_engine_decode_attends_in_place_and_gives_the_uncached_tokens(overrides: dict, in_place_calls) -> None:
+    overrides = dict(overrides)
+    model = make_model(tiny_config(overrides.pop("preset"), **overrides))
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    results = Engine(model, config=EngineConfig(block_size=4, num_blocks=64)).generate(prompts, params)
+    assert in_place_calls and max(in_place_calls) == len(prompts)  # decode steps of all rows together
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == reference_greedy(model, prompt, params.max_tokens)
+
+
+@pytest.mark.parametrize("name", ["alibi", "sliding window"])
+def test_layers_with_other_rules_keep_the_gather_path(name: str, in_place_calls) -> None:
+    overrides = dict(DECODERS[name])
+    model = make_model(tiny_config(overrides.pop("preset"), **overrides))
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size)
+    Engine(model, config=EngineConfig(block_size=4, num_blocks=64)).generate(prompts, SamplingParams(max_tokens=4))
+    assert in_place_calls == []
+
+
+def test_bf16_decode_in_place_stays_within_a_margin_of_the_gather_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first decode step (after the same prefill, so on the same tokens) gives logits within a bf16 margin."""
+    model = make_model(tiny_config("tiny-llama", d_model=128, n_heads=4, n_kv_heads=2)).to(torch.bfloat16)
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size)
+    params = SamplingParams(max_tokens=2, temperature=0.0)  # prefill's token, then one decode step
+
+    def logits_of_every_step() -> list[torch.Tensor]:
+        engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=64))
+        seen: list[torch.Tensor] = []
+        logits = engine.runner.logits
+        engine.runner.logits = lambda *args, **kwargs: seen.append(logits(*args, **kwargs)) or seen[-1]
+        engine.generate(prompts, params)
+        return seen
+
+    in_place = logits_of_every_step()
+    monkeypatch.setattr("tformer.inference.paged.supports", lambda dtype, device: False)
+    gathered = logits_of_every_step()
+    assert len(in_place) == len(gathered)
+    for ours, reference in zip(in_place, gathered, strict=True):
+        torch.testing.assert_close(ours.float(), reference.float(), atol=5e-2, rtol=5e-2)
