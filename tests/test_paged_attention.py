@@ -74,6 +74,12 @@ def test_without_a_compiler_there_is_no_kernel(monkeypatch: pytest.MonkeyPatch, 
         assert kernel() is None
         assert not paged_attention.supports(torch.bfloat16, torch.device("cpu"))
         assert "paged decode attention unavailable" in caplog.text
+        monkeypatch.setenv("CXX", "g++")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other"))
+        (tmp_path / "other").mkdir()
+        (tmp_path / "other" / "tformer").write_text("a file where the cache directory would go")
+        kernel.cache_clear()
+        assert kernel() is None  # an unwritable cache directory: the engine keeps its gather path
     finally:
         kernel.cache_clear()  # the next call, after the monkeypatch is undone, loads the real kernel again
 
@@ -137,3 +143,22 @@ def test_bf16_decode_in_place_stays_within_a_margin_of_the_gather_path(monkeypat
     assert len(in_place) == len(gathered)
     for ours, reference in zip(in_place, gathered, strict=True):
         torch.testing.assert_close(ours.float(), reference.float(), atol=5e-2, rtol=5e-2)
+
+
+def test_bad_inputs_are_refused_before_anything_is_read() -> None:
+    q, k, v, slots, lengths = paged_case(3, 4, 2, 16, torch.float32)
+    outside = slots.clone()
+    outside[1, 0] = k.shape[0]  # one past the last slot
+    with pytest.raises(IndexError, match="outside the cache"):
+        paged_decode_attention(q, k, v, outside, lengths)
+    outside[1, 0] = -1
+    with pytest.raises(IndexError, match="outside the cache"):
+        paged_decode_attention(q, k, v, outside, lengths)
+    with pytest.raises(ValueError, match="one query per row"):
+        paged_decode_attention(q.expand(3, 4, 2, 16), k, v, slots, lengths)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        paged_decode_attention(q[:, :3], k, v, slots, lengths)
+    with pytest.raises(ValueError, match="share one dtype"):
+        paged_decode_attention(q, k.double(), v.double(), slots, lengths)
+    with pytest.raises(ValueError, match="int64"):
+        paged_decode_attention(q, k, v, slots.int(), lengths)

@@ -4,7 +4,6 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#include <omp.h>
 
 static inline float to_float(float x) { return x; }
 static inline float to_float(uint16_t x) {  // bfloat16: the high half of a float
@@ -21,7 +20,6 @@ static inline void store(uint16_t* out, float x) {  // round to nearest even, as
     bits += 0x7fffu + ((bits >> 16) & 1u);
     *out = uint16_t(bits >> 16);
 }
-
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -116,10 +114,18 @@ static void attend_one(const T* q, const T* k, const T* v, const int64_t* row_sl
 }
 #endif
 
-// q (B, H, D), k and v (slots, Hkv, D), slots (B, max_keys): row b reads keys slots[b, 0 .. lengths[b] - 1].
+// q (B, H, D), k and v (num_slots, Hkv, D), slots (B, max_keys): row b reads keys slots[b, 0 .. lengths[b] - 1].
+// Returns 0, or -1 (computing nothing) when a slot it would read lies outside the cache.
 template <typename T>
-static void attend(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lengths, int64_t B,
-                   int64_t H, int64_t Hkv, int64_t D, int64_t max_keys, float scale, int threads, T* out) {
+static int attend(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lengths, int64_t B,
+                  int64_t H, int64_t Hkv, int64_t D, int64_t max_keys, int64_t num_slots, float scale, int threads,
+                  T* out) {
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t n = lengths[b] < max_keys ? lengths[b] : max_keys;
+        for (int64_t t = 0; t < n; ++t) {
+            if (slots[b * max_keys + t] < 0 || slots[b * max_keys + t] >= num_slots) return -1;
+        }
+    }
     const int64_t rep = H / Hkv;
     #pragma omp parallel num_threads(threads)
     {
@@ -175,17 +181,18 @@ static void attend(const T* q, const T* k, const T* v, const int64_t* slots, con
             }
         }
     }
+    return 0;
 }
 
-extern "C" void paged_decode_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                                            const int64_t* slots, const int64_t* lengths, int64_t B, int64_t H,
-                                            int64_t Hkv, int64_t D, int64_t max_keys, float scale, int threads,
-                                            uint16_t* out) {
-    attend(q, k, v, slots, lengths, B, H, Hkv, D, max_keys, scale, threads, out);
+extern "C" int paged_decode_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                           const int64_t* slots, const int64_t* lengths, int64_t B, int64_t H,
+                                           int64_t Hkv, int64_t D, int64_t max_keys, int64_t num_slots, float scale,
+                                           int threads, uint16_t* out) {
+    return attend(q, k, v, slots, lengths, B, H, Hkv, D, max_keys, num_slots, scale, threads, out);
 }
 
-extern "C" void paged_decode_attention_f32(const float* q, const float* k, const float* v, const int64_t* slots,
-                                           const int64_t* lengths, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                                           int64_t max_keys, float scale, int threads, float* out) {
-    attend(q, k, v, slots, lengths, B, H, Hkv, D, max_keys, scale, threads, out);
+extern "C" int paged_decode_attention_f32(const float* q, const float* k, const float* v, const int64_t* slots,
+                                          const int64_t* lengths, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                                          int64_t max_keys, int64_t num_slots, float scale, int threads, float* out) {
+    return attend(q, k, v, slots, lengths, B, H, Hkv, D, max_keys, num_slots, scale, threads, out);
 }

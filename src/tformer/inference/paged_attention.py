@@ -8,7 +8,7 @@ of a decode step: for 32 rows of SmolLM2-135M (W8A8 + compile, 2026-12-02) the f
 `paged_decode_attention` computes softmax(q K^T / sqrt(D)) V for one query per row: each (row, KV head) pair walks
 the row's own keys through its slot table once, scores the query heads that share the KV head (GQA) against each key,
 takes the softmax in fp32 and sums the values, with no padding and no copy. It is a small C++ kernel, compiled with
-the machine's C++ compiler on first use (about 2 s; cached under ~/.cache/tformer/kernels, keyed by its source,
+the machine's C++ compiler on first use (0.7 s here; cached under ~/.cache/tformer/kernels, keyed by its source,
 the compiler's flags and the CPU), parallel over rows and KV heads with torch's own OpenMP runtime. It is registered
 as a torch op, so a compiled decode step calls it like any kernel. Without a working compiler `kernel()` is None and
 the engine keeps the gather path.
@@ -54,30 +54,31 @@ def kernel_cache_dir() -> Path:
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, built on first use and cached on disk; None (logged once) when this machine
-    cannot build it (no C++ compiler, or not x86/ARM Linux), in which case callers keep their gather path."""
+    cannot build or load it (no C++ compiler, an unwritable cache directory), or when TFORMER_PAGED_ATTENTION=0:
+    callers then keep their gather path."""
     if os.environ.get("TFORMER_PAGED_ATTENTION", "1") == "0":
         return None
     compiler = os.environ.get("CXX", "g++")
     key = hashlib.sha256("\n".join([SOURCE, compiler, *COMPILER_FLAGS, _cpu_name()]).encode()).hexdigest()[:16]
     library = kernel_cache_dir() / f"paged_attention_{key}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=library.parent) as build:
-            source, built = Path(build) / "paged_attention.cpp", Path(build) / "paged_attention.so"
-            source.write_text(SOURCE)
-            try:
-                subprocess.run(
-                    [compiler, *COMPILER_FLAGS, str(source), "-o", str(built)], check=True, capture_output=True
-                )
-            except (OSError, subprocess.CalledProcessError) as err:
-                detail = getattr(err, "stderr", b"") or b""
-                logger.warning(
-                    "paged decode attention unavailable (%s): %s", err, detail.decode(errors="replace")[-500:]
-                )
-                return None
-            os.replace(built, library)  # whole or not at all: another process may be loading it
-    # torch has loaded its OpenMP runtime already; the library's libgomp.so.1 resolves to that same one
-    return ctypes.CDLL(str(library))
+    try:
+        if not library.exists():
+            _build(compiler, library)
+        # torch has loaded its OpenMP runtime already; the library's libgomp.so.1 resolves to that same one
+        return ctypes.CDLL(str(library))
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = (getattr(err, "stderr", b"") or b"").decode(errors="replace")[-500:]
+        logger.warning("paged decode attention unavailable, attention gathers keys instead (%s) %s", err, detail)
+        return None
+
+
+def _build(compiler: str, library: Path) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as build:
+        source, built = Path(build) / "paged_attention.cpp", Path(build) / "paged_attention.so"
+        source.write_text(SOURCE)
+        subprocess.run([compiler, *COMPILER_FLAGS, str(source), "-o", str(built)], check=True, capture_output=True)
+        os.replace(built, library)  # whole or not at all: another process may be loading it
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -89,15 +90,37 @@ _LIBRARY = torch.library.Library("tformer", "FRAGMENT")
 _LIBRARY.define("paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths) -> Tensor")
 
 
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Shapes and dtypes the kernel relies on (metadata only: no tensor is read)."""
+    if q.dim() != 4 or q.shape[2] != 1:
+        raise ValueError(f"paged_decode_attention takes one query per row, q (B, H, 1, D); got {tuple(q.shape)}")
+    B, H, _, D = q.shape
+    if k.shape != v.shape or k.dim() != 3 or k.shape[2] != D or H % k.shape[1]:
+        raise ValueError(
+            f"k and v must be the cache's (slots, Hkv, {D}) tensors with H = {H} a multiple of Hkv; "
+            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError("k and v must be contiguous (the paged cache's own tensors)")
+    if q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"q, k and v must share one dtype of {list(KERNEL_DTYPES)}; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if slots.dtype != torch.int64 or lengths.dtype != torch.int64 or slots.shape[0] != B or lengths.shape != (B,):
+        raise ValueError(f"slots must be int64 (B, max_keys) and lengths int64 (B,) with B = {B}")
+
+
 def _paged_decode_attention_cpu(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
 ) -> torch.Tensor:
+    _check(q, k, v, slots, lengths)
     B, H, _, D = q.shape
     q = q.contiguous()
     slots, lengths = slots.contiguous(), lengths.contiguous()
     out = torch.empty_like(q)
     function = getattr(kernel(), f"paged_decode_attention_{KERNEL_DTYPES[q.dtype]}")
-    function(
+    function.restype = ctypes.c_int
+    status = function(
         ctypes.c_void_p(q.data_ptr()),
         ctypes.c_void_p(k.data_ptr()),
         ctypes.c_void_p(v.data_ptr()),
@@ -108,10 +131,13 @@ def _paged_decode_attention_cpu(
         ctypes.c_int64(k.shape[1]),
         ctypes.c_int64(D),
         ctypes.c_int64(slots.shape[1]),
+        ctypes.c_int64(k.shape[0]),
         ctypes.c_float(D**-0.5),
         ctypes.c_int(torch.get_num_threads()),
         ctypes.c_void_p(out.data_ptr()),
     )
+    if status:
+        raise IndexError(f"paged_decode_attention: a slot to read lies outside the cache's {k.shape[0]} slots")
     return out
 
 
