@@ -37,16 +37,17 @@ KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def _cpu_name() -> str:
+    """The CPU's model and instruction-set flags (what -march=native compiles for), as far as Linux tells."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    first = {key: next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags")}
+    return "\n".join(line for line in first.values() if line) or platform.processor()
 
 
 def kernel_cache_dir() -> Path:
+    """Where built kernels are kept: $XDG_CACHE_HOME/tformer/kernels, else ~/.cache/tformer/kernels."""
     cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache_home / "tformer" / "kernels"
 
