@@ -101,7 +101,7 @@ def in_place_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.mark.parametrize(
     "overrides",
     [dict(preset="tiny-llama"), dict(preset="tiny-llama", d_model=128, n_heads=4, n_kv_heads=2)],
-    ids=["head-dim-16", "head-dim-32-gqa"],
+    ids=["head-dim-8-generic-loop", "head-dim-32-avx512"],
 )
 def test_engine_decode_attends_in_place_and_gives_the_uncached_tokens(overrides: dict, in_place_calls) -> None:
     overrides = dict(overrides)
