@@ -124,6 +124,15 @@ def machine_info() -> str:
     )
 
 
+def decode_attention_path() -> str:
+    """Which attention tformer's engine decodes with on this machine, for the header of an engine report."""
+    from tformer.inference.paged_attention import kernel
+
+    if kernel() is None:
+        return "tformer decode attention: gathered keys and values (the in-place kernel is unavailable here)"
+    return "tformer decode attention: in place over the paged cache (paged_decode_attention)"
+
+
 MATMUL_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512f", "avx2")
 
 
