@@ -31,15 +31,22 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import decode_attention_path, load_report, machine_info, uptime  # noqa: E402
 from conftest import smollm2_path  # noqa: E402
-from server_vs_llamacpp import RunningServer, chat_prompts, free_port, stream_completion, tformer_side  # noqa: E402
+from server_vs_llamacpp import (  # noqa: E402
+    RunningServer,
+    chat_prompts,
+    free_port,
+    request_bodies,
+    run_level,
+    tformer_side,
+)
 
+from tformer.files import cache_dir  # noqa: E402
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tformer.serve.loading import load_engine, warm_up  # noqa: E402
 
@@ -58,17 +65,13 @@ def engine_request(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[
     return first or total, total, tokens
 
 
-async def server_requests(url: str, prompts: list[str], max_tokens: int) -> list[tuple[float, float, int]]:
-    body = {"max_tokens": max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True}
-    body["stream_options"] = {"include_usage": True}
-    results = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
-        for prompt in prompts:
-            result = await stream_completion(client, url, {**body, "prompt": prompt})
-            if result.error:
-                raise RuntimeError(f"the server refused a request: {result.error}")
-            results.append((result.ttft, result.latency, result.tokens))
-    return results
+def server_requests(url: str, prompts: list[str], max_tokens: int, extra_body: dict) -> list[tuple[float, float, int]]:
+    """(TTFT s, seconds in all, new tokens) of each prompt, sent one after another by one streaming client."""
+    results, _ = asyncio.run(run_level(url, request_bodies(prompts, len(prompts), max_tokens, extra_body), 1))
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise RuntimeError(f"the server refused a request: {errors[0]}")
+    return [(r.ttft, r.latency, r.tokens) for r in results]
 
 
 def rates(runs: list[tuple[float, float, int]]) -> tuple[float, float, float]:
@@ -102,18 +105,18 @@ def main() -> None:
         server = RunningServer(side, port, Path(log_dir))
         try:
             print(f"server ready after {server.wait_ready(args.startup_timeout):.1f} s: {' '.join(side.command)}")
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "tformer" / "inductor"))
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor")))  # the server's kernels
             start = time.perf_counter()
             engine = load_engine(model, EngineConfig(compile=args.compile), args.quantize)
             warm_up(engine)
             print(f"engine ready after {time.perf_counter() - start:.1f} s (the server's compiled kernels cached)")
             token_prompts = [engine.tokenizer.encode(p) for p in prompts]
-            asyncio.run(server_requests(server.url, prompts[:2], args.max_tokens))  # untimed warm-up, both sides
+            server_requests(server.url, prompts[:2], args.max_tokens, side.extra_body)  # untimed warm-up, both sides
             for p in token_prompts[:2]:
                 engine_request(engine, p, args.max_tokens)
             runs: dict[str, list[tuple[float, float, int]]] = {SERVER: [], ENGINE: []}
             for round_ in range(args.rounds):
-                runs[SERVER] += asyncio.run(server_requests(server.url, prompts, args.max_tokens))
+                runs[SERVER] += server_requests(server.url, prompts, args.max_tokens, side.extra_body)
                 runs[ENGINE] += [engine_request(engine, p, args.max_tokens) for p in token_prompts]
                 latest = {name: rates(r[-args.requests :])[0] for name, r in runs.items()}
                 print(f"  round {round_ + 1}, e2e tok/s: " + ", ".join(f"{n} {v:.1f}" for n, v in latest.items()))

@@ -1,4 +1,5 @@
-"""The small files tformer reads and writes beside its weights: config and tokenizer mappings, run records.
+"""The small files tformer reads and writes beside its weights: config and tokenizer mappings, run records; and
+where it caches what it builds on a machine (`cache_dir`).
 
 A mapping is read with an error that names the file and says what is wrong; a file is written atomically, so
 that a crash or a kill leaves the old file or the new one, never half of one.
@@ -45,3 +46,9 @@ def write_atomically(target: Path, write: Callable[[Path], object]) -> None:
 def write_text_atomically(path: Path, text: str) -> None:
     """Writes `text` (UTF-8) to `path` atomically."""
     write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def cache_dir(name: str) -> Path:
+    """tformer's cache for `name` on this machine (compiled kernels): $XDG_CACHE_HOME/tformer/NAME, else
+    ~/.cache/tformer/NAME. Not created here."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tformer" / name

@@ -7,14 +7,14 @@ import sys
 from pathlib import Path
 
 from tformer.errors import CheckpointError, ConfigError
+from tformer.files import cache_dir
 
 
 def _keep_compiled_kernels() -> None:
     """Points torch.compile's caches (FX graphs, kernels) at the user's cache directory instead of /tmp, so that
     a later `--compile` run, after a reboot too, reuses what the first one compiled; $XDG_CACHE_HOME and an
     explicit $TORCHINDUCTOR_CACHE_DIR are respected."""
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_home / "tformer" / "inductor"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor")))
 
 
 def generate(

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from tformer.files import cache_dir
+
 logger = logging.getLogger(__name__)
 
 SOURCE = (Path(__file__).parent / "paged_attention.cpp").read_text()
@@ -46,12 +48,6 @@ def _cpu_name() -> str:
     return "\n".join(line for line in first.values() if line) or platform.processor()
 
 
-def kernel_cache_dir() -> Path:
-    """Where built kernels are kept: $XDG_CACHE_HOME/tformer/kernels, else ~/.cache/tformer/kernels."""
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache_home / "tformer" / "kernels"
-
-
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, built on first use and cached on disk; None (logged once) when this machine
@@ -61,16 +57,19 @@ def kernel() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CXX", "g++")
     key = hashlib.sha256("\n".join([SOURCE, compiler, *COMPILER_FLAGS, _cpu_name()]).encode()).hexdigest()[:16]
-    library = kernel_cache_dir() / f"paged_attention_{key}.so"
+    library = cache_dir("kernels") / f"paged_attention_{key}.so"
     try:
         if not library.exists():
             _build(compiler, library)
         # torch has loaded its OpenMP runtime already; the library's libgomp.so.1 resolves to that same one
-        return ctypes.CDLL(str(library))
+        loaded = ctypes.CDLL(str(library))
     except (OSError, subprocess.CalledProcessError) as err:
         detail = (getattr(err, "stderr", b"") or b"").decode(errors="replace")[-500:]
         logger.warning("paged decode attention unavailable, attention gathers keys instead (%s) %s", err, detail)
         return None
+    for dtype_name in KERNEL_DTYPES.values():
+        getattr(loaded, f"paged_decode_attention_{dtype_name}").restype = ctypes.c_int  # 0, or -1: a slot outside
+    return loaded
 
 
 def _build(compiler: str, library: Path) -> None:
@@ -120,7 +119,6 @@ def _paged_decode_attention_cpu(
     slots, lengths = slots.contiguous(), lengths.contiguous()
     out = torch.empty_like(q)
     function = getattr(kernel(), f"paged_decode_attention_{KERNEL_DTYPES[q.dtype]}")
-    function.restype = ctypes.c_int
     status = function(
         ctypes.c_void_p(q.data_ptr()),
         ctypes.c_void_p(k.data_ptr()),
