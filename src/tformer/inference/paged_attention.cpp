@@ -1,34 +1,14 @@
 // Decode attention over a paged KV cache, reading each row's keys and values where they lie: see paged_attention.py.
-// Built by tformer.inference.paged_attention.kernel() with the machine's C++ compiler (-O3 -march=native -fopenmp).
+// Built by tformer.inference.native.load with the machine's C++ compiler (-O3 -march=native -fopenmp).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-static inline float to_float(float x) { return x; }
-static inline float to_float(uint16_t x) {  // bfloat16: the high half of a float
-    uint32_t bits = uint32_t(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-static inline void store(float* out, float x) { *out = x; }
-static inline void store(uint16_t* out, float x) {  // round to nearest even, as torch does
-    uint32_t bits;
-    std::memcpy(&bits, &x, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) { *out = uint16_t((bits >> 16) | 0x40u); return; }  // NaN stays NaN
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    *out = uint16_t(bits >> 16);
-}
+#include "native.h"
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 #define TFORMER_AVX512 1
-static inline __m512 load16(const uint16_t* p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 // e^x for x <= 0: 2^n times a degree-6 polynomial in r = x - n ln2, |r| <= ln2 / 2 (relative error ~2e-7)
 static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));

@@ -8,77 +8,35 @@ of a decode step: for 32 rows of SmolLM2-135M (W8A8 + compile, 2026-12-02) the f
 `paged_decode_attention` computes softmax(q K^T / sqrt(D)) V for one query per row: each (row, KV head) pair walks
 the row's own keys through its slot table once, scores the query heads that share the KV head (GQA) against each key,
 takes the softmax in fp32 and sums the values, with no padding and no copy. It is a small C++ kernel, compiled with
-the machine's C++ compiler on first use (0.7 s here; cached under ~/.cache/tformer/kernels, keyed by its source,
-the compiler's flags and the CPU), parallel over rows and KV heads with torch's own OpenMP runtime. It is registered
-as a torch op, so a compiled decode step calls it like any kernel. Without a working compiler `kernel()` is None and
-the engine keeps the gather path.
+the machine's C++ compiler on first use (0.7 s here; `native.load`), parallel over rows and KV heads with torch's own
+OpenMP runtime. It is registered as a torch op, so a compiled decode step calls it like any kernel. Without a working
+compiler `kernel()` is None and the engine keeps the gather path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import platform
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from tformer.files import cache_dir
+from tformer.inference import native
 
-logger = logging.getLogger(__name__)
-
-SOURCE = (Path(__file__).parent / "paged_attention.cpp").read_text()
-
-COMPILER_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
-
-
-def _cpu_name() -> str:
-    """The CPU's model and instruction-set flags (what -march=native compiles for), as far as Linux tells."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    first = {key: next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags")}
-    return "\n".join(line for line in first.values() if line) or platform.processor()
 
 
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
-    """The compiled kernel library, built on first use and cached on disk; None (logged once) when this machine
-    cannot build or load it (no C++ compiler, an unwritable cache directory), or when TFORMER_PAGED_ATTENTION=0:
-    callers then keep their gather path."""
+    """The compiled kernel library (`native.load`); None (logged once) when this machine cannot build or load it,
+    or when TFORMER_PAGED_ATTENTION=0: callers then keep their gather path."""
     if os.environ.get("TFORMER_PAGED_ATTENTION", "1") == "0":
         return None
-    compiler = os.environ.get("CXX", "g++")
-    key = hashlib.sha256("\n".join([SOURCE, compiler, *COMPILER_FLAGS, _cpu_name()]).encode()).hexdigest()[:16]
-    library = cache_dir("kernels") / f"paged_attention_{key}.so"
-    try:
-        if not library.exists():
-            _build(compiler, library)
-        # torch has loaded its OpenMP runtime already; the library's libgomp.so.1 resolves to that same one
-        loaded = ctypes.CDLL(str(library))
-    except (OSError, subprocess.CalledProcessError) as err:
-        detail = (getattr(err, "stderr", b"") or b"").decode(errors="replace")[-500:]
-        logger.warning("paged decode attention unavailable, attention gathers keys instead (%s) %s", err, detail)
-        return None
-    for dtype_name in KERNEL_DTYPES.values():
-        getattr(loaded, f"paged_decode_attention_{dtype_name}").restype = ctypes.c_int  # 0, or -1: a slot outside
+    loaded = native.load("paged_attention", "paged decode attention unavailable, attention gathers keys instead")
+    if loaded is not None:
+        for dtype_name in KERNEL_DTYPES.values():
+            getattr(loaded, f"paged_decode_attention_{dtype_name}").restype = ctypes.c_int  # 0, or -1: a bad slot
     return loaded
-
-
-def _build(compiler: str, library: Path) -> None:
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as build:
-        source, built = Path(build) / "paged_attention.cpp", Path(build) / "paged_attention.so"
-        source.write_text(SOURCE)
-        subprocess.run([compiler, *COMPILER_FLAGS, str(source), "-o", str(built)], check=True, capture_output=True)
-        os.replace(built, library)  # whole or not at all: another process may be loading it
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:

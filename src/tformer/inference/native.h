@@ -1,0 +1,38 @@
+// Loads and stores of float32 and bfloat16 shared by tformer's C++ kernels (see native.py).
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+static inline float to_float(float x) { return x; }
+static inline float to_float(uint16_t x) {  // bfloat16: the high half of a float
+    uint32_t bits = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+static inline void store(float* out, float x) { *out = x; }
+static inline void store(uint16_t* out, float x) {  // round to nearest even, as torch does
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) { *out = uint16_t((bits >> 16) | 0x40u); return; }  // NaN stays NaN
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    *out = uint16_t(bits >> 16);
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __m512 load16(const uint16_t* p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void store16(uint16_t* p, __m512 v) {  // 16 bfloat16s, rounded as `store` rounds one
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+#endif

@@ -1,0 +1,65 @@
+"""tformer's C++ kernels: built with the machine's C++ compiler on first use and cached on disk.
+
+A kernel is one C++ source beside this file, which may include the shared loads and stores of `native.h`. It is
+compiled with -O3 -march=native -fopenmp into a shared library under ~/.cache/tformer/kernels, keyed by its source,
+`native.h`, the compiler, the flags and the CPU (so a new source or another machine builds again, in about a
+second). The library runs on torch's own OpenMP runtime: torch has loaded it already, and the library's libgomp.so.1
+resolves to that same one. Where a kernel cannot be built or loaded (no compiler, an unwritable cache directory)
+`load` logs why once and gives None, and callers keep a plain torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+from tformer.files import cache_dir
+
+logger = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+COMPILER_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+
+def cpu_name() -> str:
+    """The CPU's model and instruction-set flags (what -march=native compiles for), as far as Linux tells."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    first = {key: next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags")}
+    return "\n".join(line for line in first.values() if line) or platform.processor()
+
+
+def load(name: str, what: str) -> ctypes.CDLL | None:
+    """The library built from `<name>.cpp` beside this file, or None (logged once per caller, which caches the
+    result) when it cannot be built or loaded. `what` says in the log what goes without it."""
+    source = (HERE / f"{name}.cpp").read_text()
+    compiler = os.environ.get("CXX", "g++")
+    shared = (HERE / "native.h").read_text()  # the helpers every kernel includes
+    key = hashlib.sha256("\n".join([source, shared, compiler, *COMPILER_FLAGS, cpu_name()]).encode()).hexdigest()[:16]
+    library = cache_dir("kernels") / f"{name}_{key}.so"
+    try:
+        if not library.exists():
+            _build(name, source, compiler, library)
+        return ctypes.CDLL(str(library))
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = (getattr(err, "stderr", b"") or b"").decode(errors="replace")[-500:]
+        logger.warning("%s (%s) %s", what, err, detail)
+        return None
+
+
+def _build(name: str, source: str, compiler: str, library: Path) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as build:
+        source_file, built = Path(build) / f"{name}.cpp", Path(build) / f"{name}.so"
+        source_file.write_text(source)
+        command = [compiler, *COMPILER_FLAGS, f"-I{HERE}", str(source_file), "-o", str(built)]
+        subprocess.run(command, check=True, capture_output=True)
+        os.replace(built, library)  # whole or not at all: another process may be loading it
