@@ -12,7 +12,8 @@ from helpers import reference_greedy
 
 from tformer.inference import Engine, EngineConfig, SamplingParams
 from tformer.inference.fusion import concat_linears, fuse_projections
-from tformer.inference.quantize import Int4Linear, packed_row_block, set_precision
+from tformer.inference.int4 import Int4Linear
+from tformer.inference.quantize import set_precision
 from tformer.layers.attention import Attention
 from tformer.layers.ffn import GatedMLP
 
@@ -50,19 +51,16 @@ def test_fusing_before_quantizing_gives_the_separately_quantized_logits(mode: st
 
 
 def test_packed_int4_layers_join_as_they_are() -> None:
-    """INT4 layers read from a GGUF file arrive packed: joined, the kernel reads back the three weights. The
-    packing interleaves blocks of output rows, so parts that split a block stay apart."""
+    """INT4 layers read from a GGUF file arrive packed, in chunks of 16 output rows: joined, the fused layer holds
+    the three weights and computes the three outputs side by side, whatever their groups' sizes."""
     torch.manual_seed(0)
-    block = packed_row_block()
-    parts = [Int4Linear(torch.nn.Linear(64, out)) for out in (block, 2 * block, 32)]
+    parts = [Int4Linear(torch.nn.Linear(128, 48)), Int4Linear(torch.nn.Linear(128, 16), group_size=64)]
+    parts.append(Int4Linear(torch.nn.Linear(128, 32), group_size=128))
     fused = concat_linears(parts)
     assert torch.equal(fused.dequantized(), torch.cat([p.dequantized() for p in parts]))
-    x = torch.randn(3, 64)
-    torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=0, atol=1e-5)
-    assert concat_linears([parts[2], parts[0]]) is None  # 32 rows, then more: the first would split a block
-    mixed = [Int4Linear(torch.nn.Linear(64, 32), group_size=32), Int4Linear(torch.nn.Linear(64, 32), group_size=64)]
-    assert concat_linears(mixed) is None
-    assert concat_linears([parts[1], torch.nn.Linear(64, 32)]) is None  # a mix of types stays apart
+    x = torch.randn(3, 128)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert concat_linears([parts[1], torch.nn.Linear(128, 32)]) is None  # a mix of types stays apart
 
 
 def test_the_engine_serves_a_fused_model_with_the_uncached_tokens() -> None:

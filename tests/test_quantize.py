@@ -28,17 +28,26 @@ def test_int8_matches_per_channel_formula() -> None:
 
 @pytest.mark.parametrize("group_size", [32, 64])
 def test_int4_matches_grouped_formula(group_size: int) -> None:
+    """Weights w = q * scale + minimum per group, scales and minimums kept in fp16; the activations of each block
+    of 32 rounded to q_x * d with d = max |x| / 127 (tests/test_int4.py checks that rounding on its own)."""
     linear = nn.Linear(128, 48, bias=False)
     layer = Int4Linear(linear, group_size)
     groups = linear.weight.detach().view(48, -1, group_size)
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
     scale = (high - low) / 15
     q = torch.round((groups - low) / scale).clamp(0, 15)
-    expected_weight = ((q - 8) * scale + low + 8 * scale).view(48, 128)
+    expected_weight = (q * scale.half().float() + low.half().float()).view(48, 128)
+    torch.testing.assert_close(layer.dequantized(), expected_weight, atol=1e-6, rtol=1e-6)
+    assert (expected_weight - linear.weight).abs().max() <= scale.max() / 2 + (high - low).abs().max() / 1000
     x = torch.randn(7, 128)
-    torch.testing.assert_close(layer(x), x @ expected_weight.T, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(layer.dequantized(), expected_weight, atol=1e-5, rtol=1e-5)
-    assert (expected_weight - linear.weight).abs().max() <= scale.max() / 2 + 1e-6
+    blocks = x.view(7, 4, 32)
+    largest = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.full_like(largest, 127).div(largest)  # as the kernel rounds (`127 / t` is 127 * (1 / t))
+    rounded = (torch.round(blocks * inverse) * (largest / 127)).view(7, 128)  # as the integer sums read x
+    sums = blocks.sum(-1)  # the minimums multiply the float activations' sums
+    q_part = (rounded.double() @ (q * scale.half().float()).view(48, 128).double().T).float()
+    min_part = sums @ low.half().float().view(48, -1).repeat_interleave(group_size // 32, 1).T
+    torch.testing.assert_close(layer(x), q_part + min_part, atol=1e-4, rtol=1e-4)
 
 
 def test_w8a8_matches_per_token_formula_and_ignores_the_other_rows() -> None:
@@ -157,7 +166,7 @@ def test_set_precision_casts_or_quantizes_and_refuses_bad_choices() -> None:
     weight = model.decoder.layers[0].ffn.down_proj.weight.detach().clone()
     set_precision(model, "auto", "int4")  # auto: bf16 activations for the packed kernels' fast path
     down = model.decoder.layers[0].ffn.down_proj  # gate and up are fused
-    assert isinstance(down, Int4Linear) and down.scales_and_zeros.dtype == torch.bfloat16
+    assert isinstance(down, Int4Linear) and down.packed.dtype == torch.uint8  # the cast leaves it as it is
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert (down.dequantized().float() - weight).abs().max() < (weight.abs().max() / 8)  # quantized from fp32 once
     model = build_model(ModelConfig.from_preset("tiny-llama"))

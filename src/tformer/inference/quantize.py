@@ -28,7 +28,8 @@ from torch import nn
 
 from tformer.config import ConfigError
 from tformer.inference.fp8 import Fp8Linear
-from tformer.inference.fusion import concat_bias, fuse_projections
+from tformer.inference.fusion import fuse_projections
+from tformer.inference.int4 import Int4Linear
 
 QUANT_MODES = ("int8", "int4", "w8a8", "fp8")
 
@@ -61,94 +62,6 @@ class Int8Linear(nn.Module):
             out = F.linear(flat, self.qweight.to(flat.dtype)) * self.scales.to(flat.dtype)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
-
-
-class Int4Linear(nn.Module):
-    """y = x W^T + b with W stored as 4-bit groups along the input dimension, packed for torch's kernel."""
-
-    def __init__(self, linear: nn.Linear, group_size: int = 32) -> None:
-        super().__init__()
-        out_f, in_f = linear.weight.shape
-        if linear.weight.device.type != "cpu":
-            raise ValueError("int4 weights are packed for torch's CPU kernel: quantize on the CPU, or use int8")
-        if in_f % group_size or group_size % 32 or out_f % 16:
-            raise ValueError(
-                f"int4 needs in_features divisible by group_size (a multiple of 32) and out_features by 16; "
-                f"got a {out_f}x{in_f} weight with group_size {group_size}"
-            )
-        groups = linear.weight.detach().float().view(out_f, in_f // group_size, group_size)
-        low, high = groups.amin(-1), groups.amax(-1)
-        scales = ((high - low) / 15).clamp(min=1e-6)
-        q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
-        self._pack(q.view(out_f, in_f), scales, low, linear.bias)
-
-    @classmethod
-    def from_groups(
-        cls, q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> Int4Linear:
-        """A layer from weights already quantized to w = q * scale + minimum, q in [0, 15], in groups along the
-        input dimension: q (out, in), scales and minimums (out, in / group_size). llama.cpp's Q4_1 blocks are
-        exactly this with groups of 32, so a Q4_1 GGUF file becomes INT4 without a round trip through float."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._pack(q.to(torch.int32), scales.float(), minimums.float(), bias)
-        return layer
-
-    def _pack(self, q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Packs q (out, in) for the CPU kernel beside its (groups, out, 2) scales and zero points."""
-        zeros = minimums + 8 * scales  # the kernel computes (q - 8) * scale + zero
-        scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
-        self._hold(torch._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros, bias, q.shape[1])
-
-    def _hold(
-        self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None, in_features: int
-    ) -> None:
-        """Keeps packed weights and their (groups, out, 2) scales and zero points; the sizes follow from them."""
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_zeros", scales_and_zeros)
-        self.bias = bias
-        groups, self.out_features = scales_and_zeros.shape[:2]
-        self.in_features, self.group_size = in_features, in_features // groups
-
-    @classmethod
-    def concatenated(cls, parts: list[Int4Linear]) -> Int4Linear | None:
-        """One layer with the output rows of `parts` (one group size) in order, their packed bytes joined as they
-        are. torch's CPU packing interleaves blocks of output rows (`packed_row_block`), so every part but the
-        last must hold whole blocks; None otherwise, or for mixed group sizes."""
-        block = packed_row_block()
-        if len({part.group_size for part in parts}) != 1 or block is None:
-            return None
-        if any(part.out_features % block for part in parts[:-1]):
-            return None
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        sz = torch.cat([part.scales_and_zeros for part in parts], dim=1)
-        layer._hold(torch.cat([part.packed for part in parts]), sz, concat_bias(parts), parts[0].in_features)
-        return layer
-
-    def dequantized(self) -> torch.Tensor:
-        """The weight the packed kernel multiplies by, read back through the kernel itself: I W^T = W^T."""
-        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
-        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_and_zeros).T
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        sz = self.scales_and_zeros.to(flat.dtype)
-        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, sz)
-        out = out.reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
-
-
-@functools.cache
-def packed_row_block() -> int | None:
-    """How many output rows torch's CPU INT4 packing interleaves (64 on this AVX-512 machine), found by packing:
-    the layout is the kernel's own. Packed layers whose row counts are multiples of it join by concatenation."""
-    q = torch.randint(0, 16, (256, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-    for block in (16, 32, 64, 128):
-        halves = [torch._convert_weight_to_int4pack_for_cpu(rows, 1) for rows in (q[:block], q[block:])]
-        if torch.equal(torch._convert_weight_to_int4pack_for_cpu(q, 1), torch.cat(halves)):
-            return block
-    return None
 
 
 # fbgemm's packed int8 weights by handle: torch.compile cannot trace the packed-weight object, so the op below
