@@ -22,15 +22,18 @@ def random_chunks(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
 
 
 def formula(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
-    """In float64: each block of 32 activations rounded to q_x = round(x * 127 / max|x|) (in fp32, as the kernel
-    rounds), times the weights q * scale, plus each block's minimum times the block's sum of float activations."""
+    """In float64: each block of 32 activations rounded to two int8 steps, coarse = round(s) for s = x * 127 / max|x|
+    and fine = round(254 (s - coarse)) (in fp32, as the kernel rounds), so x ≈ (254 coarse + fine) max|x| / (127 *
+    254); times the weights q * scale, plus each block's minimum times the block's sum of float activations."""
     m, k = x.shape
     blocks = x.float().view(m, k // BLOCK, BLOCK)
     largest = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(largest > 0, torch.full_like(largest, 127).div(largest), 0)  # `127 / t` is 127 * (1 / t)
-    q_x = torch.round(blocks * inverse)
+    scaled = blocks * inverse
+    coarse = torch.round(scaled)
+    q_x = 254 * coarse + torch.round((scaled - coarse) * 254)
     integer_sums = torch.einsum("mbk,nbk->mnb", q_x.double(), q.view(len(q), -1, BLOCK).double())
-    d = (largest / 127).double()[..., 0]  # (m, blocks)
+    d = (largest / (127 * 254)).double()[..., 0]  # (m, blocks)
     weights = integer_sums * scales.double()[None] * d[:, None]
     return (weights + minimums.double()[None] * blocks.double().sum(-1)[:, None]).sum(-1)
 
@@ -81,7 +84,7 @@ def test_a_layer_from_q4_1_groups_holds_them_as_they_are() -> None:
 
 def test_kernel_is_an_op_a_compiled_graph_calls() -> None:
     x, packed = torch.randn(5, 64), pack(*random_chunks(32, 64))
-    torch.library.opcheck(torch.ops.tformer.int4_matmul.default, (x, packed))
+    torch.library.opcheck(torch.ops.tformer.int4_matmul.default, (x, packed, 32))
     compiled = torch.compile(lambda a, b: int4_matmul(a, b) * 2, fullgraph=True, dynamic=True)
     assert torch.equal(compiled(x, packed), int4_matmul(x, packed) * 2)
 
@@ -96,9 +99,9 @@ def test_a_nan_reaches_its_own_rows_output_only() -> None:
 
 def test_bad_shapes_and_dtypes_are_refused() -> None:
     packed = pack(*random_chunks(16, 64))
-    with pytest.raises(ValueError, match=r"x \(M, K\) and packed chunks"):
+    with pytest.raises(ValueError, match=r"x \(M, K\) and packed uint8 chunks"):
         int4_matmul(torch.randn(2, 32), packed)
-    with pytest.raises(ValueError, match="uint8 chunks and x in one of"):
+    with pytest.raises(ValueError, match="x must be bfloat16 or float32"):
         int4_matmul(torch.randn(2, 64, dtype=torch.float64), packed)
     with pytest.raises(ValueError, match="out_features by 16"):
         Int4Linear(nn.Linear(64, 24))
@@ -108,7 +111,7 @@ def test_without_the_kernel_the_layer_multiplies_by_its_dequantized_weight(monke
     layer = Int4Linear(nn.Linear(64, 32))
     x = torch.randn(4, 64)
     with_kernel = layer(x)
-    monkeypatch.setattr(int4, "kernel", lambda: None)
+    monkeypatch.setattr(int4, "available", lambda: False)
     without = layer(x)
     torch.testing.assert_close(without, x @ layer.dequantized().T + layer.bias, rtol=0, atol=1e-6)
     # the two differ only by the activations' rounding to 8 bits: a step of max|x| / 127 per block

@@ -29,7 +29,7 @@ def test_int8_matches_per_channel_formula() -> None:
 @pytest.mark.parametrize("group_size", [32, 64])
 def test_int4_matches_grouped_formula(group_size: int) -> None:
     """Weights w = q * scale + minimum per group, scales and minimums kept in fp16; the activations of each block
-    of 32 rounded to q_x * d with d = max |x| / 127 (tests/test_int4.py checks that rounding on its own)."""
+    of 32 rounded to two int8 steps of max |x| / 127 and 1/254 of that (tests/test_int4.py checks the rounding)."""
     linear = nn.Linear(128, 48, bias=False)
     layer = Int4Linear(linear, group_size)
     groups = linear.weight.detach().view(48, -1, group_size)
@@ -43,7 +43,9 @@ def test_int4_matches_grouped_formula(group_size: int) -> None:
     blocks = x.view(7, 4, 32)
     largest = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.full_like(largest, 127).div(largest)  # as the kernel rounds (`127 / t` is 127 * (1 / t))
-    rounded = (torch.round(blocks * inverse) * (largest / 127)).view(7, 128)  # as the integer sums read x
+    scaled = blocks * inverse
+    coarse = torch.round(scaled)
+    rounded = ((coarse + torch.round((scaled - coarse) * 254) / 254) * (largest / 127)).view(7, 128)  # as sums read x
     sums = blocks.sum(-1)  # the minimums multiply the float activations' sums
     q_part = (rounded.double() @ (q * scale.half().float()).view(48, 128).double().T).float()
     min_part = sums @ low.half().float().view(48, -1).repeat_interleave(group_size // 32, 1).T

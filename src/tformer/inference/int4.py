@@ -31,26 +31,25 @@ from tformer.inference import native
 from tformer.inference.fusion import concat_bias
 
 TILE, BLOCK, CHUNK = 16, 32, 320  # output rows and input columns a chunk holds, and its bytes
-KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None (logged once) where it cannot be built."""
-    loaded = native.load("int4", "the INT4 kernel is unavailable; INT4 layers multiply by their dequantized weights")
-    if loaded is None:
-        return None
-    for name in KERNEL_DTYPES.values():
-        function = getattr(loaded, f"int4_matmul_{name}")
-        function.restype = ctypes.c_int  # 0, or -1: no memory for the quantized activations
-        function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-        function.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    return loaded
+    """The compiled kernel library, which implements `tformer::int4_matmul` on the CPU once loaded; None (logged
+    once) where it cannot be built."""
+    return native.load("int4", "the INT4 kernel is unavailable: INT4 layers multiply by dequantized weights", True)
+
+
+@torch.compiler.assume_constant_result  # a compiled graph reads the answer once; it never traces the build
+def available() -> bool:
+    """Whether the kernel could be built and loaded here."""
+    return kernel() is not None
 
 
 def vectorized() -> bool:
     """Whether the kernel runs its AVX512-VNNI version here (else its portable loop, or no kernel at all)."""
-    return kernel() is not None and bool(kernel().int4_vectorized())
+    return available() and bool(kernel().int4_vectorized())
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
@@ -91,42 +90,22 @@ def dequantize(packed: torch.Tensor) -> torch.Tensor:
 
 
 _LIBRARY = torch.library.Library("tformer", "FRAGMENT")
-_LIBRARY.define("int4_matmul(Tensor x, Tensor packed, bool portable=False) -> Tensor")
-
-
-def _check(x: torch.Tensor, packed: torch.Tensor) -> None:
-    if x.dim() != 2 or packed.dim() != 3 or packed.shape[2] != CHUNK or x.shape[1] != packed.shape[1] * BLOCK:
-        raise ValueError(
-            f"int4_matmul takes x (M, K) and packed chunks (N / {TILE}, K / {BLOCK}, {CHUNK}); "
-            f"got {tuple(x.shape)} and {tuple(packed.shape)}"
-        )
-    if packed.dtype != torch.uint8 or x.dtype not in KERNEL_DTYPES:
-        raise ValueError(f"int4_matmul takes uint8 chunks and x in one of {list(KERNEL_DTYPES)}; got {x.dtype}")
-
-
-def _int4_matmul_cpu(x: torch.Tensor, packed: torch.Tensor, portable: bool = False) -> torch.Tensor:
-    _check(x, packed)
-    x, packed = x.contiguous(), packed.contiguous()
-    (m, k), n = x.shape, packed.shape[0] * TILE
-    out = x.new_empty(m, n)
-    function = getattr(kernel(), f"int4_matmul_{KERNEL_DTYPES[x.dtype]}")
-    if function(x.data_ptr(), m, k, packed.data_ptr(), n, out.data_ptr(), torch.get_num_threads(), portable):
-        raise MemoryError(f"int4_matmul: no memory for the {m} x {k} quantized activations")
-    return out
-
-
-_LIBRARY.impl("int4_matmul", _int4_matmul_cpu, "CPU")
+_LIBRARY.define("int4_matmul(Tensor x, Tensor packed, int out_features, bool portable=False) -> Tensor")
 
 
 @torch.library.register_fake("tformer::int4_matmul")
-def _(x: torch.Tensor, packed: torch.Tensor, portable: bool = False) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0] * TILE)
+def _(x: torch.Tensor, packed: torch.Tensor, out_features: int, portable: bool = False) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, portable: bool = False) -> torch.Tensor:
     """x (M, K) in bf16 or fp32 times the weight the chunks stand for, transposed: (M, N), in x's dtype. `portable`
-    runs the portable loop where the AVX512-VNNI version was built (for tests); both round activations alike."""
-    return torch.ops.tformer.int4_matmul(x, packed, portable)
+    runs the portable loop where the AVX512-VNNI version was built (for tests); both round activations alike.
+    N goes to the op as a number: a compiled graph with dynamic shapes then knows it, where the chunks' count
+    would be a symbol (and a fused layer's output could not be split in halves)."""
+    if not available():
+        raise RuntimeError("int4_matmul: the INT4 kernel could not be built here (see the log)")
+    return torch.ops.tformer.int4_matmul(x, packed, packed.shape[0] * TILE, portable)
 
 
 class Int4Linear(nn.Module):
@@ -180,8 +159,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu" and flat.dtype in KERNEL_DTYPES and kernel() is not None:
-            out = int4_matmul(flat, self.packed)
+        if flat.device.type == "cpu" and flat.dtype in KERNEL_DTYPES and available():
+            out = torch.ops.tformer.int4_matmul(flat, self.packed, self.out_features)
         else:
             out = F.linear(flat, self.dequantized().to(device=flat.device, dtype=flat.dtype))
         out = out.reshape(*x.shape[:-1], self.out_features)
