@@ -125,12 +125,19 @@ def machine_info() -> str:
 
 
 def decode_attention_path() -> str:
-    """Which attention tformer's engine decodes with on this machine, for the header of an engine report."""
+    """Which attention and INT4 kernels tformer's engine runs on this machine, for the header of an engine report."""
+    from tformer.inference import int4
     from tformer.inference.paged_attention import kernel
 
     if kernel() is None:
-        return "tformer decode attention: gathered keys and values (the in-place kernel is unavailable here)"
-    return "tformer decode attention: in place over the paged cache (paged_decode_attention)"
+        attention = "tformer decode attention: gathered keys and values (the in-place kernel is unavailable here)"
+    else:
+        attention = "tformer decode attention: in place over the paged cache (paged_decode_attention)"
+    if not int4.available():
+        matmul = "multiplies by dequantized weights (the kernel is unavailable here)"
+    else:
+        matmul = "AVX512-VNNI dot products" if int4.vectorized() else "the kernel's portable loop (no AVX512-VNNI)"
+    return f"{attention}\ntformer int4 matmuls: {matmul}"
 
 
 MATMUL_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512f", "avx2")

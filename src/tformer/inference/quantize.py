@@ -1,16 +1,15 @@
 """Quantization of a model's linear layers: weight-only INT8 per output channel and INT4 in groups, and W8A8
 (INT8 weights and INT8 activations).
 
-INT8: w ≈ q * s with q in [-128, 127] and one scale s per output row (s = max|w_row| / 127).
-INT4: each group of `group_size` input weights of a row keeps a scale and a zero point:
-w ≈ (q - 8) * s + z with q in [0, 15], s = (max - min) / 15 and z = min + 8 s (gpt-fast's layout).
-Activations stay in floating point, in the model's dtype. On the CPU the matmuls use torch's packed kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which read the small weights directly. Those kernels
-are fast with bfloat16 activations only: for SmolLM2-135M's linear layers at batch 1 on the 2-core
-development machine, INT8 took 12.8 ms a token with bf16 activations and 68 ms with fp32, INT4 5.6 ms and
-129 ms, against 24 ms for plain bf16 and 48 ms for fp32 weights. So `set_precision` serves quantized models
-in bfloat16 unless told otherwise. Elsewhere INT8 runs as a matmul with the int8 weight cast to the
-activation dtype, then scaled; INT4's packing is the CPU kernel's, so INT4 models run on the CPU.
+INT8: w ≈ q * s with q in [-128, 127] and one scale s per output row (s = max|w_row| / 127). Activations stay in
+floating point, in the model's dtype. On the CPU the matmul is torch's packed kernel (`_weight_int8pack_mm`),
+which reads the int8 weights directly and is fast with bfloat16 activations only: for SmolLM2-135M's linear
+layers at batch 1 on the 2-core development machine, 12.8 ms a token with bf16 activations and 68 ms with fp32,
+against 24 ms for plain bf16 and 48 ms for fp32 weights. So `set_precision` serves quantized models in bfloat16
+unless told otherwise. Elsewhere INT8 runs as a matmul with the int8 weight cast to the activation dtype, then
+scaled.
+INT4: each group of `group_size` input weights of a row keeps a scale and a minimum, w ≈ q * s + m with q in
+[0, 15] (llama.cpp's Q4_1), multiplied on the CPU's integer dot-product units (`int4.Int4Linear`).
 W8A8 also quantizes each token's activations to int8 as it enters a layer (`W8A8Linear`), so the matmul runs
 on integers (fbgemm, x86 CPUs): 2x bf16's speed for 8 to 32 rows, the engine's decode batches under load.
 """
