@@ -10,16 +10,11 @@ unless told otherwise. Elsewhere INT8 runs as a matmul with the int8 weight cast
 scaled.
 INT4: each group of `group_size` input weights of a row keeps a scale and a minimum, w ≈ q * s + m with q in
 [0, 15] (llama.cpp's Q4_1), multiplied on the CPU's integer dot-product units (`int4.Int4Linear`).
-W8A8 also quantizes each token's activations to int8 as it enters a layer (`W8A8Linear`), so the matmul runs
-on integers (fbgemm, x86 CPUs): 2x bf16's speed for 8 to 32 rows, the engine's decode batches under load.
+W8A8 also quantizes each token's activations to int8 as it enters a layer (`w8a8.W8A8Linear`), so the matmul runs
+on integers, on the CPU's dot-product units.
 """
 
 from __future__ import annotations
-
-import functools
-import itertools
-import warnings
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -29,13 +24,9 @@ from tformer.config import ConfigError
 from tformer.inference.fp8 import Fp8Linear
 from tformer.inference.fusion import fuse_projections
 from tformer.inference.int4 import Int4Linear
+from tformer.inference.w8a8 import W8A8Linear, per_channel_scales
 
 QUANT_MODES = ("int8", "int4", "w8a8", "fp8")
-
-
-def per_channel_scales(weight: torch.Tensor) -> torch.Tensor:
-    """INT8's scale of each output row: max |w_row| / 127 (never 0)."""
-    return (weight.abs().amax(1) / 127).clamp(min=1e-12)
 
 
 class Int8Linear(nn.Module):
@@ -60,111 +51,6 @@ class Int8Linear(nn.Module):
         else:
             out = F.linear(flat, self.qweight.to(flat.dtype)) * self.scales.to(flat.dtype)
         out = out.reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
-
-
-# fbgemm's packed int8 weights by handle: torch.compile cannot trace the packed-weight object, so the op below
-# takes an int handle instead; each W8A8Linear registers its weight and drops the entry when it is collected.
-_PACKED_WEIGHTS: dict[int, torch.ScriptObject] = {}
-_handles = itertools.count()
-
-
-# The op is registered with the dispatcher directly rather than through torch.library.custom_op, whose Python
-# wrapper cost 10-14 us a call over the bare kernel (about 4 here): 121 calls a token (2026-12-02, 2 rows, 576 x 960).
-# It serves inference only, so it has no autograd formula.
-_LIBRARY = torch.library.Library("tformer", "FRAGMENT")
-_LIBRARY.define("int8_dynamic_matmul(Tensor x, int handle, int out_features, bool reduce_range) -> Tensor")
-
-
-def _int8_dynamic_matmul_cpu(x: torch.Tensor, handle: int, out_features: int, reduce_range: bool) -> torch.Tensor:
-    return torch.ops.quantized.linear_dynamic(x, _PACKED_WEIGHTS[handle], reduce_range)
-
-
-_LIBRARY.impl("int8_dynamic_matmul", _int8_dynamic_matmul_cpu, "CPU")
-
-
-@torch.library.register_fake("tformer::int8_dynamic_matmul")
-def _(x: torch.Tensor, handle: int, out_features: int, reduce_range: bool) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
-
-
-def int8_dynamic_matmul(x: torch.Tensor, handle: int, out_features: int, reduce_range: bool) -> torch.Tensor:
-    """x (N, in) fp32 -> (N, out): fbgemm quantizes x to uint8 over x's range and multiplies by the int8 weight
-    registered under `handle`; one op in a compiled graph."""
-    return torch.ops.tformer.int8_dynamic_matmul(x, handle, out_features, reduce_range)
-
-
-@functools.cache
-def full_range_is_exact() -> bool:
-    """Whether fbgemm's int8 kernels on this CPU take 8-bit activations without overflow (AVX512-VNNI does).
-
-    Without VNNI, fbgemm sums pairs of uint8 x int8 products in 16 bits, which 255 * 127 * 2 overflows; a
-    probe at that extreme tells, and W8A8 then quantizes activations to 7 bits (`reduce_range`).
-    """
-    weight = torch.full((16, 64), 127.0)
-    packed = torch.ops.quantized.linear_prepack(_per_channel_int8(weight, torch.ones(16)), None)
-    x = torch.tensor([[255.0] * 64, [0.0] * 64])  # the range [0, 255]: scale 1, zero point 0, so x as it is
-    return torch.equal(torch.ops.quantized.linear_dynamic(x, packed, False), x @ weight.T)
-
-
-def _per_channel_int8(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    with warnings.catch_warnings():  # quantize_per_channel warns about a future dtype change of its scales
-        warnings.simplefilter("ignore")
-        return torch.quantize_per_channel(
-            weight, scales.double(), torch.zeros(len(scales), dtype=torch.long), 0, torch.qint8
-        )
-
-
-class W8A8Linear(nn.Module):
-    """y = s_x (q_x q_w^T) s_w + b: int8 weights per output channel (as Int8Linear) and int8 activations per token.
-
-    Each row (token) of x is scaled by its own largest magnitude s_x, so a token's result does not depend on the
-    other rows in the batch. fbgemm's dynamic-quantized matmul quantizes its whole input over one range; a row
-    holding +1 and -1 appended to the scaled rows pins that range to [-1, 1] in every call, which makes the
-    quantization per token. SmolLM2-135M's John 1 perplexity: 12.94 against 12.54 in fp32 (per-tensor
-    activation scales, as `torch.ao`'s dynamic quantization does: 32.2; 7-bit activations: 14.16).
-    Activations enter and leave in the model's dtype; the matmul reads fp32. CPU only (fbgemm).
-    """
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        if linear.weight.device.type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:
-            raise ConfigError("w8a8 runs on fbgemm's x86 CPU kernels; on other devices use int8 or int4")
-        weight = linear.weight.detach().float()
-        scales = per_channel_scales(weight)
-        self.packed = torch.ops.quantized.linear_prepack(_per_channel_int8(weight, scales), None)
-        self._register()
-        self.bias = linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.reduce_range = not full_range_is_exact()
-        self.range_row = torch.zeros(1, self.in_features)  # a constant, not a buffer: it stays fp32 under .to()
-        self.range_row[0, :2] = torch.tensor([1.0, -1.0])
-
-    def _register(self) -> None:
-        """A handle of its own for the packed weight (also for a copy or an unpickled module)."""
-        self.handle = next(_handles)
-        _PACKED_WEIGHTS[self.handle] = self.packed
-        weakref.finalize(self, _PACKED_WEIGHTS.pop, self.handle, None)
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._register()
-
-    @property
-    def nbytes(self) -> int:
-        """The int8 weight and its fp32 scales, as packed by fbgemm (not a parameter or buffer)."""
-        return self.out_features * (self.in_features + 4)
-
-    def dequantized(self) -> torch.Tensor:
-        qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
-        return qweight.dequantize()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        scale = flat.abs().amax(1, keepdim=True).clamp(min=1e-12)  # (N, 1)
-        scaled = torch.cat([flat / scale, self.range_row])
-        out = int8_dynamic_matmul(scaled, self.handle, self.out_features, self.reduce_range)[:-1] * scale
-        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
 
@@ -235,10 +121,9 @@ def set_precision(
 
 
 def model_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer, counting tied tensors once, and of W8A8's packed weights."""
+    """Bytes of every parameter and buffer, counting tied tensors once."""
     tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
-    packed = sum(m.nbytes for m in model.modules() if isinstance(m, W8A8Linear))
-    return sum(t.numel() * t.element_size() for t in tensors.values()) + packed
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def dequantize_linear(module: nn.Module) -> torch.Tensor:

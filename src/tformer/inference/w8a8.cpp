@@ -1,0 +1,214 @@
+// W8A8: int8 weights per output channel times int8 activations per token, on the CPU's integer dot products: see
+// w8a8.py for the format. Built by tformer.inference.native.load with the machine's C++ compiler (-O3
+// -march=native -fopenmp), against torch's stable C ABI, which registers the op at the end.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include "native.h"
+
+using torch::stable::Tensor;
+
+constexpr int64_t TILE = 16;  // output rows a tile holds; its bytes: K/4 groups of 16 rows x 4 columns
+constexpr int64_t ROWS = 4;   // input rows that share each weight load
+
+// The stored byte of weight (n, k): q + 128, so that the dot products read weights as unsigned bytes.
+static inline int weight_at(const uint8_t* w, int64_t padded_k, int64_t n, int64_t k) {
+    return w[(n / TILE) * TILE * padded_k + (k / 4) * 64 + (n % TILE) * 4 + k % 4];
+}
+
+// Each row x becomes q = round(x * 127 / max|x|) in [-127, 127] with the scale max|x| / 127 (NaN where x holds a
+// NaN: it then reaches every output of the row), and 128 * Σ q, which the unsigned weights' offset adds to every
+// dot product. Columns K .. padded_k - 1 are zeros.
+template <typename T>
+static void quantize_row_portable(const T* x, int64_t K, int64_t padded_k, int8_t* q, float* scale, int32_t* offset) {
+    float largest = 0.f;
+    bool nan = false;
+    for (int64_t k = 0; k < K; ++k) {
+        const float value = to_float(x[k]);
+        nan = nan || std::isnan(value);
+        largest = std::fmax(largest, std::fabs(value));
+    }
+    const float inverse = largest > 0.f ? 127.f / largest : 0.f;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < K; ++k) {
+        const float rounded = std::nearbyint(to_float(x[k]) * inverse);
+        q[k] = std::isnan(rounded) ? 0 : int8_t(std::fmax(-127.f, std::fmin(127.f, rounded)));
+        sum += q[k];
+    }
+    std::memset(q + K, 0, padded_k - K);
+    *scale = nan ? NAN : largest / 127.f;
+    *offset = 128 * sum;
+}
+
+template <typename T>
+static void matmul_portable(const int8_t* q, const float* row_scales, const int32_t* offsets, int64_t M,
+                            int64_t padded_k, const uint8_t* w, const float* scales, int64_t N, T* out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (M * N > 4096)
+    for (int64_t n = 0; n < N; ++n) {
+        for (int64_t m = 0; m < M; ++m) {
+            int32_t dot = 0;
+            for (int64_t k = 0; k < padded_k; ++k) dot += weight_at(w, padded_k, n, k) * q[m * padded_k + k];
+            store(out + m * N + n, float(dot - offsets[m]) * (scales[n] * row_scales[m]));
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TFORMER_VNNI 1
+static inline __m512 load_masked(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+static inline __m512 load_masked(const uint16_t* p, __mmask16 mask) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <typename T>
+static void quantize_row(const T* x, int64_t K, int64_t padded_k, int8_t* q, float* scale, int32_t* offset) {
+    __m512 largest = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
+        const __m512 v = load_masked(x + k, mask);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        largest = _mm512_max_ps(largest, _mm512_abs_ps(v));
+    }
+    const float top = _mm512_reduce_max_ps(largest);
+    const __m512 inverse = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+    __m512i sum = _mm512_setzero_si512();
+    std::memset(q + K, 0, padded_k - K);
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
+        const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(load_masked(x + k, mask), inverse));  // to even
+        const __m512i clamped = _mm512_max_epi32(_mm512_min_epi32(rounded, _mm512_set1_epi32(127)),
+                                                 _mm512_set1_epi32(-127));  // a NaN converts to INT_MIN
+        _mm_mask_storeu_epi8(q + k, mask, _mm512_cvtepi32_epi8(clamped));
+        sum = _mm512_add_epi32(sum, _mm512_maskz_mov_epi32(mask, clamped));
+    }
+    *scale = nan ? NAN : top / 127.f;
+    *offset = 128 * _mm512_reduce_add_epi32(sum);
+}
+
+// Output rows n0 .. n0 + 16 * TILES - 1 for R input rows; each 64-byte weight load feeds R dot products.
+template <int R, int TILES, typename T>
+static inline void tiles_rows(const uint8_t* w, int64_t padded_k, const int8_t* q, const float* row_scales,
+                              const int32_t* offsets, const float* scales, int64_t N, int64_t n0, T* out) {
+    __m512i acc[TILES][R];
+    for (int t = 0; t < TILES; ++t)
+        for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_si512();
+    const uint8_t* tile = w + (n0 / TILE) * TILE * padded_k;
+    for (int64_t k4 = 0; k4 < padded_k / 4; ++k4) {
+        __m512i weights[TILES];
+        for (int t = 0; t < TILES; ++t) weights[t] = _mm512_loadu_si512(tile + t * TILE * padded_k + k4 * 64);
+        for (int r = 0; r < R; ++r) {
+            const __m512i quad = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(q + r * padded_k)[k4]);
+            for (int t = 0; t < TILES; ++t) acc[t][r] = _mm512_dpbusd_epi32(acc[t][r], weights[t], quad);
+        }
+    }
+    for (int t = 0; t < TILES; ++t) {
+        const int64_t n = n0 + t * TILE;
+        const __m512 column_scales = _mm512_loadu_ps(scales + n);
+        for (int r = 0; r < R; ++r) {
+            const __m512i dot = _mm512_sub_epi32(acc[t][r], _mm512_set1_epi32(offsets[r]));
+            const __m512 scale = _mm512_mul_ps(column_scales, _mm512_set1_ps(row_scales[r]));
+            const __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scale);
+            if (n + TILE <= N) {
+                store16(out + r * N + n, value);
+            } else {  // the last tile of a layer whose rows are not a multiple of 16
+                alignas(64) float lanes[TILE];
+                _mm512_store_ps(lanes, value);
+                for (int64_t i = 0; n + i < N; ++i) store(out + r * N + n + i, lanes[i]);
+            }
+        }
+    }
+}
+
+template <int TILES, typename T>
+static inline void all_rows(const uint8_t* w, int64_t padded_k, const int8_t* q, const float* row_scales,
+                            const int32_t* offsets, int64_t M, const float* scales, int64_t N, int64_t n0, T* out) {
+    int64_t m = 0;
+    for (; m + ROWS <= M; m += ROWS)
+        tiles_rows<ROWS, TILES>(w, padded_k, q + m * padded_k, row_scales + m, offsets + m, scales, N, n0, out + m * N);
+    for (; m < M; ++m)
+        tiles_rows<1, TILES>(w, padded_k, q + m * padded_k, row_scales + m, offsets + m, scales, N, n0, out + m * N);
+}
+
+template <typename T>
+static void matmul_vnni(const int8_t* q, const float* row_scales, const int32_t* offsets, int64_t M, int64_t padded_k,
+                        const uint8_t* w, const float* scales, int64_t N, T* out, int threads) {
+    const int64_t tiles = (N + TILE - 1) / TILE, units = (tiles + 1) / 2;  // pairs of tiles, and a last single one
+    #pragma omp parallel for num_threads(threads) schedule(static) if (units > 1)
+    for (int64_t u = 0; u < units; ++u) {
+        if (2 * u + 1 < tiles)
+            all_rows<2>(w, padded_k, q, row_scales, offsets, M, scales, N, 2 * u * TILE, out);
+        else
+            all_rows<1>(w, padded_k, q, row_scales, offsets, M, scales, N, 2 * u * TILE, out);
+    }
+}
+#endif
+
+extern "C" int w8a8_vectorized() {  // 1 where the AVX512-VNNI version was built, 0 where only the portable one
+#ifdef TFORMER_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+template <typename T>
+static void run(const T* x, int64_t M, int64_t K, int64_t padded_k, const uint8_t* w, const float* scales, int64_t N,
+                T* out, int threads, bool portable, int8_t* q, float* row_scales, int32_t* offsets) {
+#ifdef TFORMER_VNNI
+    if (!portable) {
+        #pragma omp parallel for num_threads(threads) schedule(static) if (M > 64)
+        for (int64_t m = 0; m < M; ++m)
+            quantize_row(x + m * K, K, padded_k, q + m * padded_k, row_scales + m, offsets + m);
+        matmul_vnni(q, row_scales, offsets, M, padded_k, w, scales, N, out, threads);
+        return;
+    }
+#endif
+    for (int64_t m = 0; m < M; ++m)
+        quantize_row_portable(x + m * K, K, padded_k, q + m * padded_k, row_scales + m, offsets + m);
+    matmul_portable(q, row_scales, offsets, M, padded_k, w, scales, N, out, threads);
+}
+
+// tformer::w8a8_matmul(Tensor x, Tensor packed, Tensor scales, int out_features, bool portable=False) -> Tensor,
+// defined in w8a8.py. The checks repeat the ones the kernel relies on, so a bad call raises instead of reading out
+// of bounds.
+static Tensor w8a8_matmul_op(Tensor x, Tensor packed, Tensor scales, int64_t out_features, bool portable) {
+    using torch::headeronly::ScalarType;
+    const bool bf16 = x.scalar_type() == ScalarType::BFloat16;
+    if (!bf16 && x.scalar_type() != ScalarType::Float)
+        throw std::invalid_argument("w8a8_matmul: x must be bfloat16 or float32");
+    const int64_t tiles = (out_features + TILE - 1) / TILE;
+    if (x.dim() != 2 || packed.scalar_type() != ScalarType::Byte || packed.dim() != 3 || packed.size(0) != tiles ||
+        packed.size(2) != 64 || packed.size(1) != (x.size(1) + 3) / 4 || scales.scalar_type() != ScalarType::Float ||
+        scales.dim() != 1 || scales.size(0) != tiles * TILE || !packed.is_contiguous() || !scales.is_contiguous())
+        throw std::invalid_argument("w8a8_matmul: x (M, K), packed uint8 (ceil(N / 16), ceil(K / 4), 64) and "
+                                    "float32 scales (16 ceil(N / 16)) for N = out_features");
+    if (!x.is_contiguous()) x = torch::stable::contiguous(x);
+    const int64_t M = x.size(0), K = x.size(1), padded_k = 4 * packed.size(1), N = out_features;
+    Tensor out = torch::stable::new_empty(x, {M, N});
+    int8_t* q = static_cast<int8_t*>(std::malloc(M * padded_k + 8 * M + 64));
+    if (q == nullptr) throw std::runtime_error("w8a8_matmul: no memory for the quantized activations");
+    float* row_scales = reinterpret_cast<float*>(q + ((M * padded_k + 3) / 4) * 4);
+    int32_t* offsets = reinterpret_cast<int32_t*>(row_scales + M);
+    const int threads = int(torch::stable::get_num_threads());
+    const uint8_t* w = static_cast<const uint8_t*>(packed.data_ptr());
+    const float* s = static_cast<const float*>(scales.data_ptr());
+    if (bf16)
+        run(static_cast<const uint16_t*>(x.data_ptr()), M, K, padded_k, w, s, N,
+            static_cast<uint16_t*>(out.data_ptr()), threads, portable, q, row_scales, offsets);
+    else
+        run(static_cast<const float*>(x.data_ptr()), M, K, padded_k, w, s, N, static_cast<float*>(out.data_ptr()),
+            threads, portable, q, row_scales, offsets);
+    std::free(q);
+    return out;
+}
+
+STABLE_TORCH_LIBRARY_IMPL(tformer, CPU, m) { m.impl("w8a8_matmul", TORCH_BOX(&w8a8_matmul_op)); }

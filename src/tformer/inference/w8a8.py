@@ -1,0 +1,141 @@
+"""W8A8 linear layers: int8 weights per output channel times int8 activations per token, on the CPU's integer dot
+products.
+
+y = s_x s_w (q_x q_w^T) + b. Weights: q_w = round(w / s_w) in [-127, 127] with s_w = max |w_row| / 127, as INT8.
+Activations: each row (token) x of a call becomes q_x = round(x / s_x) with s_x = max |x| / 127, so a token's
+result never depends on the other rows of its batch (tested exactly). The matmul (`w8a8.cpp`) multiplies bytes
+with AVX512-VNNI's `vpdpbusd` (64 products an instruction), reading the weights as unsigned bytes q_w + 128 and
+taking 128 Σ q_x back off each sum. Every output is computed in one fixed order whatever the batch.
+
+Layout: (ceil(N / 16), ceil(K / 4), 64) uint8: each 64 bytes hold 4 consecutive columns of 16 output rows (zeros
+past the layer's edge), so one load feeds a 16-lane dot product. The scales stay float32 whatever dtype the model
+is cast to: they are held as int32 bits.
+
+Against fbgemm's dynamic int8 matmul with the same per-token rounding (tformer's W8A8 until 2026-12-02; SmolLM2's
+shapes, 2 cores, eager): 3.5-8x faster at 1 row, where fbgemm spent about 10 us a call before any arithmetic,
+1.3-2.5x at 32 rows and 1.0-1.3x at 512 (docs/engine.md). Without AVX512-VNNI the same format runs a portable
+loop (exactly the same results); without a C++ compiler, or off the CPU, the layer computes the formula in torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch import nn
+
+from tformer.inference import native
+
+TILE = 16  # output rows a 64-byte group holds
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The compiled kernel library, which implements `tformer::w8a8_matmul` on the CPU once loaded; None (logged
+    once) where it cannot be built."""
+    return native.load("w8a8", "the W8A8 kernel is unavailable: W8A8 layers compute their formula in torch", True)
+
+
+@torch.compiler.assume_constant_result  # a compiled graph reads the answer once; it never traces the build
+def available() -> bool:
+    """Whether the kernel could be built and loaded here."""
+    return kernel() is not None
+
+
+def vectorized() -> bool:
+    """Whether the kernel runs its AVX512-VNNI version here (else its portable loop, or no kernel at all)."""
+    return available() and bool(kernel().w8a8_vectorized())
+
+
+def per_channel_scales(weight: torch.Tensor) -> torch.Tensor:
+    """The scale of each output row: max |w_row| / 127 (never 0)."""
+    return (weight.abs().amax(1) / 127).clamp(min=1e-12)
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """The (ceil(N / 16), ceil(K / 4), 64) bytes q + 128 of int8 weights q (N, K), zeros past the edges."""
+    n, k = q.shape
+    rows, columns = -(-n // TILE) * TILE, -(-k // 4) * 4
+    padded = torch.zeros(rows, columns, dtype=torch.int16)
+    padded[:n, :k] = q
+    as_bytes = (padded + 128).to(torch.uint8).view(rows // TILE, TILE, columns // 4, 4)
+    return as_bytes.transpose(1, 2).reshape(rows // TILE, columns // 4, 4 * TILE).contiguous()
+
+
+def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The int8 weights (N, K) that `pack` stored."""
+    tiles, quads, _ = packed.shape
+    q = packed.view(tiles, quads, TILE, 4).transpose(1, 2).reshape(tiles * TILE, quads * 4).to(torch.int16) - 128
+    return q[:out_features, :in_features].to(torch.int8)
+
+
+_LIBRARY = torch.library.Library("tformer", "FRAGMENT")
+_LIBRARY.define("w8a8_matmul(Tensor x, Tensor packed, Tensor scales, int out_features, bool portable=False) -> Tensor")
+
+
+@torch.library.register_fake("tformer::w8a8_matmul")
+def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int, portable: bool = False):
+    return x.new_empty(x.shape[0], out_features)
+
+
+def w8a8_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int, portable: bool = False
+) -> torch.Tensor:
+    """x (M, K) in bf16 or fp32 times the int8 weights `packed` scaled by `scales` (16 ceil(N / 16), float32),
+    transposed: (M, N) in x's dtype. `portable` runs the portable loop where the AVX512-VNNI version was built
+    (for tests): both give the same numbers."""
+    if not available():
+        raise RuntimeError("w8a8_matmul: the W8A8 kernel could not be built here (see the log)")
+    return torch.ops.tformer.w8a8_matmul(x, packed, scales, out_features, portable)
+
+
+def w8a8_formula(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """s_x s_w (q_x q_w^T) in torch (fp32), for x (M, K), q (N, K) int8 and scales (N,): the kernel's result where
+    it cannot run, up to the order of the float products."""
+    flat = x.float()
+    largest = flat.abs().amax(1, keepdim=True)
+    inverse = torch.where(largest > 0, torch.full_like(largest, 127).div(largest), 0)  # `127 / t` is 127 * (1 / t)
+    q_x = torch.round(flat * inverse).clamp(-127, 127)
+    return (q_x @ q.float().T) * (largest / 127 * scales[:, None].T)
+
+
+class W8A8Linear(nn.Module):
+    """y = s_x s_w (q_x q_w^T) + b from a float layer: int8 weights per output channel, int8 activations per token.
+
+    SmolLM2-135M's John 1 perplexity: see docs/engine.md. Activations enter and leave in the model's dtype."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float().cpu()
+        scales = per_channel_scales(weight)
+        q = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        padded_scales = torch.zeros(-(-self.out_features // TILE) * TILE)
+        padded_scales[: self.out_features] = scales
+        self.register_buffer("packed", pack(q))
+        self.register_buffer("scale_bits", padded_scales.view(torch.int32))  # bits: `.to(bfloat16)` leaves them
+        self.bias = linear.bias
+        self.to(linear.weight.device)
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """The float32 scale of each output row (zeros past the last, up to a multiple of 16)."""
+        return self.scale_bits.view(torch.float32)
+
+    def quantized_weight(self) -> torch.Tensor:
+        return unpack(self.packed, self.out_features, self.in_features)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.quantized_weight().float() * self.scales[: self.out_features, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.device.type == "cpu" and flat.dtype in KERNEL_DTYPES and available():
+            out = torch.ops.tformer.w8a8_matmul(flat, self.packed, self.scales, self.out_features)
+        else:
+            scales = self.scales[: self.out_features]
+            out = w8a8_formula(flat, self.quantized_weight().to(flat.device), scales).to(x.dtype)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias

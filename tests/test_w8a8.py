@@ -1,0 +1,98 @@
+"""The W8A8 kernel against the plain formula (int8 weights per channel, int8 activations per token), in its
+vectorized and portable versions, at edges that are not multiples of its tiles, inside a compiled graph, and on
+bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tformer.inference import w8a8
+from tformer.inference.w8a8 import W8A8Linear, kernel, pack, unpack, w8a8_formula, w8a8_matmul
+
+pytestmark = pytest.mark.skipif(kernel() is None, reason="no C++ compiler to build the kernel with")
+
+
+def formula(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """In float64: q_x = round(x * 127 / max|x|) per row (rounded in fp32, as the kernel does), then
+    s_x s_w (q_x q_w^T) with s_x = max|x| / 127."""
+    flat = x.float()
+    largest = flat.abs().amax(1, keepdim=True)
+    q_x = torch.round(flat * torch.full_like(largest, 127).div(largest))
+    return (q_x.double() @ q.double().T) * (largest.double() / 127) * scales.double()
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["vectorized", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (5, 37, 40), (9, 576, 960), (6, 128, 48), (2, 16, 16)])
+def test_kernel_matches_the_formula(m: int, k: int, n: int, dtype: torch.dtype, portable: bool) -> None:
+    """Shapes with one tile, an odd count of tiles (48 rows), a last tile cut short (40) and columns that are not
+    a multiple of 4 (37)."""
+    layer = W8A8Linear(nn.Linear(k, n, bias=False))
+    x = (torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]).to(dtype)
+    out = w8a8_matmul(x, layer.packed, layer.scales, n, portable)
+    assert out.dtype == dtype and out.shape == (m, n)
+    expected = formula(x, layer.quantized_weight(), layer.scales[:n])
+    rtol = 1e-6 if dtype == torch.float32 else 2**-7  # an exact integer sum times two fp32 scales; bf16 rounds once
+    torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=0)
+
+
+def test_the_vectorized_and_portable_versions_give_the_same_numbers() -> None:
+    layer = W8A8Linear(nn.Linear(200, 80))
+    x = torch.randn(7, 200, dtype=torch.bfloat16)
+    assert torch.equal(
+        w8a8_matmul(x, layer.packed, layer.scales, 80), w8a8_matmul(x, layer.packed, layer.scales, 80, True)
+    )
+
+
+def test_a_rows_result_is_its_own_whatever_the_batch() -> None:
+    layer = W8A8Linear(nn.Linear(96, 64))
+    x = torch.randn(11, 96, dtype=torch.bfloat16)
+    together = layer(x)
+    for rows in (slice(0, 1), slice(1, 5), slice(3, 10), slice(10, 11)):
+        assert torch.equal(layer(x[rows]), together[rows])
+
+
+def test_pack_and_unpack_are_inverses() -> None:
+    q = torch.randint(-127, 128, (40, 37), dtype=torch.int8)
+    packed = pack(q)
+    assert packed.shape == (3, 10, 64) and packed.dtype == torch.uint8
+    assert torch.equal(unpack(packed, 40, 37), q)
+
+
+def test_kernel_is_an_op_a_compiled_graph_calls() -> None:
+    layer = W8A8Linear(nn.Linear(64, 48))
+    x = torch.randn(5, 64)
+    torch.library.opcheck(torch.ops.tformer.w8a8_matmul.default, (x, layer.packed, layer.scales, 48))
+    compiled = torch.compile(lambda a: layer(a) * 2, fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(x), layer(x) * 2)
+
+
+def test_a_nan_reaches_its_own_rows_output_only() -> None:
+    layer = W8A8Linear(nn.Linear(64, 32))
+    x = torch.randn(3, 64)
+    x[1, 40] = float("nan")
+    for portable in (False, True):
+        out = w8a8_matmul(x, layer.packed, layer.scales, 32, portable)
+        assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+
+
+def test_bad_shapes_and_dtypes_are_refused() -> None:
+    layer = W8A8Linear(nn.Linear(64, 32))
+    with pytest.raises(ValueError, match=r"x \(M, K\), packed uint8"):
+        w8a8_matmul(torch.randn(2, 32), layer.packed, layer.scales, 32)
+    with pytest.raises(ValueError, match=r"x \(M, K\), packed uint8"):
+        w8a8_matmul(torch.randn(2, 64), layer.packed, layer.scales, 48)
+    with pytest.raises(ValueError, match="x must be bfloat16 or float32"):
+        w8a8_matmul(torch.randn(2, 64, dtype=torch.float64), layer.packed, layer.scales, 32)
+
+
+def test_without_the_kernel_the_layer_computes_the_formula_in_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = W8A8Linear(nn.Linear(64, 32))
+    x = torch.randn(4, 64)
+    with_kernel = layer(x)
+    monkeypatch.setattr(w8a8, "available", lambda: False)
+    without = layer(x)
+    torch.testing.assert_close(without, w8a8_formula(x, layer.quantized_weight(), layer.scales[:32]) + layer.bias)
+    torch.testing.assert_close(without, with_kernel, rtol=1e-6, atol=1e-6)  # the same numbers, in another order
