@@ -93,6 +93,31 @@ def test_prefix_cache_hits_give_the_same_tokens() -> None:
     assert rest.token_ids == reference_greedy(model, prompts[2], 12)
 
 
+def test_whole_prompts_prefill_on_the_causal_path_and_continued_ones_on_the_mask(monkeypatch) -> None:
+    """A step of whole prompts (every row from position 0, padded on the right) needs no dense mask; a step with
+    a row that continues after cached tokens (a prefix hit) builds one. Both give the uncached tokens."""
+    calls: list[tuple[bool, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        if q.shape[2] > 1:  # prefill (decode steps attend in place or over one query)
+            calls.append((attn_mask is not None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model = make_model(tiny_config("tiny-llama"))
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size, (9, 5, 14))
+    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=64))
+    outputs = engine.generate(prompts, GREEDY)
+    assert calls and all(call == (False, True) for call in calls)
+    calls.clear()
+    continued = prompts[2] + [3, 4, 5]  # 12 of its tokens come from the cache: the step starts at position 12
+    continued_output = engine.generate([continued], GREEDY)[0]
+    assert calls and all(call == (True, False) for call in calls)
+    assert [o.token_ids for o in outputs] == [reference_greedy(model, p, 12) for p in prompts]
+    assert continued_output.token_ids == reference_greedy(model, continued, 12)
+
+
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-transformer"])
 def test_compiled_decode_steps_give_the_uncached_tokens(preset: str) -> None:
     """EngineConfig(compile=True): decode steps of one row and of several rows (each compiles once) run compiled,
