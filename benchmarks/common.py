@@ -124,20 +124,22 @@ def machine_info() -> str:
     )
 
 
-def decode_attention_path() -> str:
-    """Which attention and INT4 kernels tformer's engine runs on this machine, for the header of an engine report."""
-    from tformer.inference import int4
-    from tformer.inference.paged_attention import kernel
+def kernel_paths() -> str:
+    """Which attention and integer-matmul kernels tformer's engine runs on this machine, for a report's header."""
+    from tformer.inference import int4, paged_attention, w8a8
 
-    if kernel() is None:
-        attention = "tformer decode attention: gathered keys and values (the in-place kernel is unavailable here)"
+    if paged_attention.kernel() is None:
+        attention = "gathered keys and values (the in-place kernel is unavailable here)"
     else:
-        attention = "tformer decode attention: in place over the paged cache (paged_decode_attention)"
-    if not int4.available():
-        matmul = "multiplies by dequantized weights (the kernel is unavailable here)"
-    else:
-        matmul = "AVX512-VNNI dot products" if int4.vectorized() else "the kernel's portable loop (no AVX512-VNNI)"
-    return f"{attention}\ntformer int4 matmuls: {matmul}"
+        attention = "in place over the paged cache (paged_decode_attention)"
+    lines = [f"tformer decode attention: {attention}"]
+    for name, module in (("int4", int4), ("w8a8", w8a8)):
+        if not module.available():
+            how = "the formula in torch (the kernel is unavailable here)"
+        else:
+            how = "AVX512-VNNI dot products" if module.vectorized() else "the kernel's portable loop (no AVX512-VNNI)"
+        lines.append(f"tformer {name} matmuls: {how}")
+    return "\n".join(lines)
 
 
 MATMUL_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512f", "avx2")

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import (  # noqa: E402
     agreeing_prefix,
     alternating_timing,
-    decode_attention_path,
+    kernel_paths,
     load_report,
     machine_info,
     median,
@@ -254,7 +254,7 @@ def main() -> None:
 
     path = smollm2_path()
     print(machine_info())
-    print(decode_attention_path())
+    print(kernel_paths())
     print(load_report("before"))
     models, tokenizer = load_tformer_variants(path, variants)
     engines = {

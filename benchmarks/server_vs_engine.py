@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from common import decode_attention_path, load_report, machine_info, uptime  # noqa: E402
+from common import kernel_paths, load_report, machine_info, uptime  # noqa: E402
 from conftest import smollm2_path  # noqa: E402
 from server_vs_llamacpp import (  # noqa: E402
     RunningServer,
@@ -96,7 +96,7 @@ def main() -> None:
 
     model = smollm2_path()
     print(machine_info())
-    print(decode_attention_path())
+    print(kernel_paths())
     print(load_report("before"))
     prompts = chat_prompts(model, args.requests)
     port = free_port()

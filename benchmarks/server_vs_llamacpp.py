@@ -52,7 +52,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from common import decode_attention_path, load_report, machine_info, uptime  # noqa: E402
+from common import kernel_paths, load_report, machine_info, uptime  # noqa: E402
 from conftest import smollm2_path  # noqa: E402
 
 from tformer.data.corpora import bible_text  # noqa: E402
@@ -325,7 +325,7 @@ def main() -> None:
 
     model = smollm2_path()
     print(machine_info())
-    print(decode_attention_path())
+    print(kernel_paths())
     print(load_report("before"))
     prompts = chat_prompts(model, args.prompts)
     builders = {TFORMER: lambda *common: tformer_side(*common, args.tformer_args), LLAMACPP: llamacpp_side}

@@ -1,23 +1,48 @@
-"""W8A8's int8 matmul (fbgemm, `W8A8Linear`) against `torch._int_mm` (oneDNN), on SmolLM2-135M's layer shapes.
+"""tformer's W8A8 matmul (`w8a8.cpp`, AVX512-VNNI) against fbgemm's dynamic int8 matmul (tformer's W8A8 until
+2026-12-02) and `torch._int_mm` (oneDNN), on SmolLM2-135M's layer shapes.
 
-Both sides quantize each row (token) of a bf16 activation to int8 by its largest magnitude, multiply by the same
-per-output-channel int8 weight, and scale the int32 result back to bf16; `torch._int_mm` needs more than 16 rows,
-so a single row is padded to 17. Per shape (fused q/k/v 576 -> 960, gate/up 576 -> 3072, down 1536 -> 576, the head
-576 -> 49152) and rows (1: batch-1 decode, 32: a decode batch under load, 450: a prefill chunk), the two alternate
-and the medians of 5 timings are printed with their ratio and the largest difference between their outputs.
+All three quantize each row (token) of a bf16 activation to 8 bits by its largest magnitude, multiply by the same
+per-output-channel int8 weight, and scale the int32 result back to bf16. fbgemm quantizes a whole input over one
+range: a row holding +1 and -1 appended to the scaled rows pins that range to [-1, 1], which makes it per token (as
+tformer's W8A8 did). `torch._int_mm` needs more than 16 rows, so fewer are padded to 17. Per shape (fused q/k/v
+576 -> 960, gate/up 576 -> 3072, down 1536 -> 576, the head 576 -> 49152) and rows (1: batch-1 decode, 32: a decode
+batch under load, 450: a prefill chunk), the three alternate and the medians of 5 timings are printed with the
+peers' time over tformer's and the largest difference from tformer's outputs.
 
     flock /tmp/tformer-cpu.lock .venv/bin/python benchmarks/w8a8_vs_int_mm.py
 """
 
 from __future__ import annotations
 
-import torch
-from common import load_report, machine_info, median_seconds, set_threads, uptime
+import warnings
 
-from tformer.inference.quantize import W8A8Linear, per_channel_scales
+import torch
+from common import kernel_paths, load_report, machine_info, median_seconds, set_threads, uptime
+
+from tformer.inference.w8a8 import W8A8Linear, per_channel_scales
 
 SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 49152)]  # (in, out) of SmolLM2's fused layers and head
 ROWS = [1, 32, 450]
+
+
+def fbgemm_linear(weight: torch.Tensor):
+    """y = s_x (q_x q_w^T) s_w through fbgemm's `quantized::linear_dynamic`, per token as described above."""
+    scales = per_channel_scales(weight)
+    with warnings.catch_warnings():  # quantize_per_channel warns about a future dtype change of its scales
+        warnings.simplefilter("ignore")
+        zero = torch.zeros(len(scales), dtype=torch.long)
+        q_weight = torch.quantize_per_channel(weight, scales.double(), zero, 0, torch.qint8)
+    packed = torch.ops.quantized.linear_prepack(q_weight, None)
+    range_row = torch.zeros(1, weight.shape[1])
+    range_row[0, :2] = torch.tensor([1.0, -1.0])
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = x.float()
+        scale = flat.abs().amax(1, keepdim=True).clamp(min=1e-12)
+        out = torch.ops.quantized.linear_dynamic(torch.cat([flat / scale, range_row]), packed, False)[:-1]
+        return (out * scale).to(x.dtype)
+
+    return forward
 
 
 def int_mm_linear(weight: torch.Tensor):
@@ -40,23 +65,30 @@ def int_mm_linear(weight: torch.Tensor):
 def main() -> None:
     threads = set_threads(2)
     print(machine_info())
+    print(kernel_paths())
     print(load_report("before"))
     torch.manual_seed(0)
-    header = ["fbgemm us", "_int_mm us", "_int_mm / fbgemm", "max diff"]
+    sides = ["tformer", "fbgemm", "_int_mm"]
+    header = [*(f"{side} us" for side in sides), "fbgemm / tformer", "_int_mm / tformer", "max diff"]
     print(f"{'in x out':>12s} {'rows':>5s} " + " ".join(f"{h:>17s}" for h in header))
     for n_in, n_out in SHAPES:
         linear = torch.nn.Linear(n_in, n_out, bias=False)
-        ours, theirs = W8A8Linear(linear), int_mm_linear(linear.weight.detach())
+        weight = linear.weight.detach()
+        layers = {"tformer": W8A8Linear(linear), "fbgemm": fbgemm_linear(weight), "_int_mm": int_mm_linear(weight)}
         for rows in ROWS:
             x = torch.randn(rows, n_in).bfloat16()
-            diff = (ours(x).float() - theirs(x).float()).abs().max().item()
-            timings: dict[str, list[float]] = {"fbgemm": [], "_int_mm": []}
+            ours = layers["tformer"](x).float()
+            diff = max((layers[side](x).float() - ours).abs().max().item() for side in sides[1:])
+            timings: dict[str, list[float]] = {side: [] for side in sides}
             for _ in range(5):  # alternate the sides, 20 calls a timing
-                for name, layer in (("fbgemm", ours), ("_int_mm", theirs)):
-                    timings[name].append(median_seconds(lambda f=layer, x=x: [f(x) for _ in range(20)], 1) / 20)
-            a, b = (sorted(timings[name])[2] * 1e6 for name in ("fbgemm", "_int_mm"))
-            print(f"{n_in:>5d} x {n_out:<5d} {rows:5d} {a:17.0f} {b:17.0f} {b / a:16.2f}x {diff:17.3f}")
-    print(f"{threads} threads; ratio above 1: fbgemm (tformer's W8A8) is faster")
+                for side in sides:
+                    layer = layers[side]
+                    timings[side].append(median_seconds(lambda f=layer, x=x: [f(x) for _ in range(20)], 1) / 20)
+            us = [sorted(timings[side])[2] * 1e6 for side in sides]
+            ratios = " ".join(f"{t / us[0]:16.2f}x" for t in us[1:])
+            times = " ".join(f"{t:17.0f}" for t in us)
+            print(f"{n_in:>5d} x {n_out:<5d} {rows:5d} {times} {ratios} {diff:17.3f}")
+    print(f"{threads} threads; ratios above 1: tformer's kernel is faster")
     print(load_report("after"))
     print(f"uptime: {uptime()}")
 
