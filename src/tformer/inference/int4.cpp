@@ -92,8 +92,7 @@ static void matmul_portable(const T* x, int64_t M, int64_t K, const uint8_t* w, 
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define TFORMER_VNNI 1
+#ifdef TFORMER_VNNI
 template <typename T>
 static void quantize_blocks(const T* x, int64_t count, int8_t* q, float* d, float* sums, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static) if (count > 512)
@@ -170,13 +169,7 @@ static void matmul_vnni(const T* x, int64_t M, int64_t K, const uint8_t* w, int6
 }
 #endif
 
-extern "C" int int4_vectorized() {  // 1 where the AVX512-VNNI version was built, 0 where only the portable one
-#ifdef TFORMER_VNNI
-    return 1;
-#else
-    return 0;
-#endif
-}
+extern "C" int int4_vectorized() { return VNNI_BUILT; }  // 1: the AVX512-VNNI version; 0: portable
 
 // x (M, K) times the packed weight (N / 16, K / 32, 320) into out (M, N); K % 32 == 0 and N % 16 == 0.
 // Returns 0, or -1 (computing nothing) when the scratch for the quantized activations cannot be allocated.

@@ -20,9 +20,6 @@ the layer multiplies by its dequantized weight.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,22 +31,9 @@ TILE, BLOCK, CHUNK = 16, 32, 320  # output rows and input columns a chunk holds,
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
-@functools.cache
-def kernel() -> ctypes.CDLL | None:
-    """The compiled kernel library, which implements `tformer::int4_matmul` on the CPU once loaded; None (logged
-    once) where it cannot be built."""
-    return native.load("int4", "the INT4 kernel is unavailable: INT4 layers multiply by dequantized weights", True)
-
-
-@torch.compiler.assume_constant_result  # a compiled graph reads the answer once; it never traces the build
-def available() -> bool:
-    """Whether the kernel could be built and loaded here."""
-    return kernel() is not None
-
-
-def vectorized() -> bool:
-    """Whether the kernel runs its AVX512-VNNI version here (else its portable loop, or no kernel at all)."""
-    return available() and bool(kernel().int4_vectorized())
+# kernel(): the library, which implements `tformer::int4_matmul` on the CPU once loaded; available(); vectorized()
+UNAVAILABLE = "the INT4 kernel is unavailable: INT4 layers multiply by dequantized weights"
+kernel, available, vectorized = native.op_library("int4", UNAVAILABLE)
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,14 @@ static inline void store(uint16_t* out, float x) {  // round to nearest even, as
     *out = uint16_t(bits >> 16);
 }
 
+// Whether this build has the integer dot products (AVX512-VNNI) the int4 and w8a8 kernels vectorize with.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TFORMER_VNNI 1
+constexpr int VNNI_BUILT = 1;
+#else
+constexpr int VNNI_BUILT = 0;
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 static inline __m512 load16(const uint16_t* p) {

@@ -5,18 +5,21 @@ compiled with -O3 -march=native -fopenmp into a shared library under ~/.cache/tf
 `native.h`, the compiler, the flags and the CPU (so a new source or another machine builds again, in about a
 second). The library runs on torch's own OpenMP runtime: torch has loaded it already, and the library's libgomp.so.1
 resolves to that same one. Where a kernel cannot be built or loaded (no compiler, an unwritable cache directory)
-`load` logs why once and gives None, and callers keep a plain torch path.
+`load` logs why once and gives None, and callers keep a plain torch path. A kernel can also register torch ops
+through torch's stable C ABI (`load(..., torch_ops=True)`, `op_library`): then a compiled graph calls it like any op.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
 import platform
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -77,3 +80,23 @@ def _build(name: str, source: str, compiler: str, flags: list[str], library: Pat
         command = [compiler, str(source_file), "-o", str(built), *flags, f"-I{HERE}"]  # libraries after the source
         subprocess.run(command, check=True, capture_output=True)
         os.replace(built, library)  # whole or not at all: another process may be loading it
+
+
+def op_library(name: str, what: str) -> tuple[Callable[[], ctypes.CDLL | None], Callable[[], bool], Callable[[], bool]]:
+    """For a kernel that registers torch ops and exports `<name>_vectorized()`: `kernel()`, the library loaded on
+    first use (None where it cannot be built; logged once); `available()`, whether it loaded, an answer a compiled
+    graph reads once and never traces; `vectorized()`, whether it runs its AVX512-VNNI version (else its portable
+    loop)."""
+
+    @functools.cache
+    def kernel() -> ctypes.CDLL | None:
+        return load(name, what, torch_ops=True)
+
+    @torch.compiler.assume_constant_result
+    def available() -> bool:
+        return kernel() is not None
+
+    def vectorized() -> bool:
+        return available() and bool(getattr(kernel(), f"{name}_vectorized")())
+
+    return kernel, available, vectorized

@@ -62,8 +62,7 @@ static void matmul_portable(const int8_t* q, const float* row_scales, const int3
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define TFORMER_VNNI 1
+#ifdef TFORMER_VNNI
 static inline __m512 load_masked(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 static inline __m512 load_masked(const uint16_t* p, __mmask16 mask) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
@@ -158,13 +157,7 @@ static void matmul_vnni(const int8_t* q, const float* row_scales, const int32_t*
 }
 #endif
 
-extern "C" int w8a8_vectorized() {  // 1 where the AVX512-VNNI version was built, 0 where only the portable one
-#ifdef TFORMER_VNNI
-    return 1;
-#else
-    return 0;
-#endif
-}
+extern "C" int w8a8_vectorized() { return VNNI_BUILT; }  // 1: the AVX512-VNNI version; 0: portable
 
 template <typename T>
 static void run(const T* x, int64_t M, int64_t K, int64_t padded_k, const uint8_t* w, const float* scales, int64_t N,

@@ -12,15 +12,12 @@ past the layer's edge), so one load feeds a 16-lane dot product. The scales stay
 is cast to: they are held as int32 bits.
 
 Against fbgemm's dynamic int8 matmul with the same per-token rounding (tformer's W8A8 until 2026-12-02; SmolLM2's
-shapes, 2 cores, eager): 3.5-8x faster at 1 row, where fbgemm spent about 10 us a call before any arithmetic,
-1.3-2.5x at 32 rows and 1.0-1.3x at 512 (docs/engine.md). Without AVX512-VNNI the same format runs a portable
+shapes, 2 cores, `benchmarks/w8a8_vs_int_mm.py`): 1.8-2.1x faster at 1 row, where fbgemm spends about 10 us a call
+before any arithmetic, 1.4-1.6x at 32 rows and 1.0-2.1x at 450. Without AVX512-VNNI the same format runs a portable
 loop (exactly the same results); without a C++ compiler, or off the CPU, the layer computes the formula in torch.
 """
 
 from __future__ import annotations
-
-import ctypes
-import functools
 
 import torch
 from torch import nn
@@ -31,22 +28,9 @@ TILE = 16  # output rows a 64-byte group holds
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
-@functools.cache
-def kernel() -> ctypes.CDLL | None:
-    """The compiled kernel library, which implements `tformer::w8a8_matmul` on the CPU once loaded; None (logged
-    once) where it cannot be built."""
-    return native.load("w8a8", "the W8A8 kernel is unavailable: W8A8 layers compute their formula in torch", True)
-
-
-@torch.compiler.assume_constant_result  # a compiled graph reads the answer once; it never traces the build
-def available() -> bool:
-    """Whether the kernel could be built and loaded here."""
-    return kernel() is not None
-
-
-def vectorized() -> bool:
-    """Whether the kernel runs its AVX512-VNNI version here (else its portable loop, or no kernel at all)."""
-    return available() and bool(kernel().w8a8_vectorized())
+# kernel(): the library, which implements `tformer::w8a8_matmul` on the CPU once loaded; available(); vectorized()
+UNAVAILABLE = "the W8A8 kernel is unavailable: W8A8 layers compute their formula in torch"
+kernel, available, vectorized = native.op_library("w8a8", UNAVAILABLE)
 
 
 def per_channel_scales(weight: torch.Tensor) -> torch.Tensor:
