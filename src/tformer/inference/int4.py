@@ -4,18 +4,22 @@ Weights: each row in blocks of 32 input columns, w ≈ q * scale + minimum with 
 minimum per block (llama.cpp's Q4_1 exactly, so a Q4_1 GGUF file loads as it is). Groups of 64 or more columns keep
 one scale and minimum per group, repeated in each of its blocks.
 
-Activations: the matmul (`int4.cpp`) rounds each block of 32 activations of a row to int8, x ≈ q_x * d with
-d = max |x| / 127 (llama.cpp's Q8_1), and a row's block contributes scale * d * Σ q q_x + minimum * Σ x, the last
-sum over the float activations. The integer sums run on AVX512-VNNI's `vpdpbusd`: one instruction multiplies 64
-4-bit weights by 64 int8 activations. Every output is computed in the same order whatever the batch, so a row's
-result never depends on the other rows (tested exactly). SmolLM2-135M's John 1 perplexity: see docs/engine.md.
+Activations: the matmul (`int4.cpp`) rounds each block of 32 activations of a row to int8 in two steps,
+x ≈ (254 q_x + r_x) d with d = max |x| / (127 * 254): q_x as llama.cpp's Q8_1 rounds, r_x the remainder in steps
+254 times finer. A row's block contributes scale * d * Σ q (254 q_x + r_x) + minimum * Σ x, the last sum over the
+float activations. The integer sums run on AVX512-VNNI's `vpdpbusd`: one instruction multiplies 64 4-bit weights
+by 64 int8 activations. Every output is computed in the same order whatever the batch, so a row's result never
+depends on the other rows (tested exactly). SmolLM2-135M's John 1 perplexity is float activations' (12.508; one
+step alone 12.748): see docs/engine.md.
 
 Layout: (N / 16, K / 32, 320) uint8, one 320-byte chunk per 16 output rows and 32 input columns: 256 bytes of
 weights arranged for the dot products (`pack`), then the 16 scales and the 16 minimums in fp16. Fused layers
 join by concatenating chunks. Against torch's own packed INT4 kernel (`_weight_int4pack_mm_for_cpu`, bf16
-activations), SmolLM2's shapes on 2 cores of this AMD EPYC (2026-12-02): 1.5-3.4x faster at 1 row, 2.9-3.4x at 32
-and 450 rows. Without AVX512-VNNI the same format runs a portable loop; without a C++ compiler, or off the CPU,
-the layer multiplies by its dequantized weight.
+activations), SmolLM2's shapes on 2 cores of this AMD EPYC, weights in the CPU's caches (2026-12-02): 0.9-1.6x at
+1 row and 1.8-2.0x at 32 and 450 rows (one int8 step: 1.5-3.4x and 2.6-3.4x). In the engine at batch 1, where the
+weights stream from memory and each call costs 3.5 us, INT4 went from 0.89x llama.cpp to 1.17-1.18x. Without
+AVX512-VNNI the same format runs a portable loop; without a C++ compiler, or off the CPU, the layer multiplies by
+its dequantized weight.
 """
 
 from __future__ import annotations
