@@ -97,6 +97,11 @@ def test_a_nan_reaches_its_own_rows_output_only() -> None:
         assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
 
 
+def test_no_rows_give_no_rows() -> None:
+    layer = Int4Linear(nn.Linear(64, 32))
+    assert layer(torch.randn(0, 64)).shape == (0, 32)
+
+
 def test_bad_shapes_and_dtypes_are_refused() -> None:
     packed = pack(*random_chunks(16, 64))
     with pytest.raises(ValueError, match=r"x \(M, K\) and packed uint8 chunks"):

@@ -176,6 +176,7 @@ extern "C" int int4_vectorized() { return VNNI_BUILT; }  // 1: the AVX512-VNNI v
 template <typename T>
 static int matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, T* out, int threads, bool portable) {
     const int64_t count = M * (K / BLOCK);
+    if (count == 0) return 0;  // no rows (or no columns): nothing to compute
     int8_t* q = static_cast<int8_t*>(std::malloc(2 * M * K));
     float* scales = static_cast<float*>(std::malloc(2 * count * sizeof(float)));
     if (q == nullptr || scales == nullptr) {

@@ -193,6 +193,7 @@ static Tensor w8a8_matmul_op(Tensor x, Tensor packed, Tensor scales, int64_t out
     if (!x.is_contiguous()) x = torch::stable::contiguous(x);
     const int64_t M = x.size(0), K = x.size(1), padded_k = 4 * packed.size(1), N = out_features;
     Tensor out = torch::stable::new_empty(x, {M, N});
+    if (M == 0) return out;
     int8_t* q = static_cast<int8_t*>(std::malloc(M * padded_k + 8 * M + 64));
     if (q == nullptr) throw std::runtime_error("w8a8_matmul: no memory for the quantized activations");
     float* row_scales = reinterpret_cast<float*>(q + ((M * padded_k + 3) / 4) * 4);
