@@ -119,5 +119,5 @@ def test_without_the_kernel_the_layer_multiplies_by_its_dequantized_weight(monke
     monkeypatch.setattr(int4, "available", lambda: False)
     without = layer(x)
     torch.testing.assert_close(without, x @ layer.dequantized().T + layer.bias, rtol=0, atol=1e-6)
-    # the two differ only by the activations' rounding to 8 bits: a step of max|x| / 127 per block
+    # the two differ only by the activations' rounding to two int8 steps, the finer max|x| / (127 * 254) per block
     assert (with_kernel - without).abs().max() < 0.05 * without.abs().max()

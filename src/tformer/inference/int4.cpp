@@ -47,8 +47,6 @@ static inline int weight_at(const uint8_t* chunk, int64_t r, int64_t k) {
 // keeps the sum of its float values, which the minimums multiply. The portable and vectorized versions round alike.
 constexpr float FINE = 254.f;  // the second int8 block's steps per step of the first
 
-static inline int8_t to_int8(float x) { return std::isnan(x) ? 0 : int8_t(std::fmax(-127.f, std::fmin(127.f, x))); }
-
 template <typename T>
 static void quantize_block_portable(const T* x, int8_t* q, float* d, float* sum) {
     float largest = 0.f, total = 0.f;
@@ -187,7 +185,7 @@ static int matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
 #ifdef TFORMER_VNNI
     if (!portable) matmul_vnni(x, M, K, w, N, out, threads, q, scales, scales + count);
 #endif
-    if (portable || !int4_vectorized()) matmul_portable(x, M, K, w, N, out, threads, q, scales, scales + count);
+    if (portable || !VNNI_BUILT) matmul_portable(x, M, K, w, N, out, threads, q, scales, scales + count);
     std::free(q);
     std::free(scales);
     return 0;

@@ -1,5 +1,6 @@
-// Loads and stores of float32 and bfloat16 shared by tformer's C++ kernels (see native.py).
+// Loads, stores and roundings shared by tformer's C++ kernels (see native.py).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -17,6 +18,11 @@ static inline void store(uint16_t* out, float x) {  // round to nearest even, as
     if ((bits & 0x7fffffffu) > 0x7f800000u) { *out = uint16_t((bits >> 16) | 0x40u); return; }  // NaN stays NaN
     bits += 0x7fffu + ((bits >> 16) & 1u);
     *out = uint16_t(bits >> 16);
+}
+// A rounded value as a signed byte of the int8 kernels: clamped to [-127, 127], a NaN as 0 (the NaN reaches the
+// output through the row's scale or sum instead; casting it to an integer would be undefined).
+static inline int8_t to_int8(float rounded) {
+    return std::isnan(rounded) ? 0 : int8_t(std::fmax(-127.f, std::fmin(127.f, rounded)));
 }
 
 // Whether this build has the integer dot products (AVX512-VNNI) the int4 and w8a8 kernels vectorize with.

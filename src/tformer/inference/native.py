@@ -1,6 +1,6 @@
 """tformer's C++ kernels: built with the machine's C++ compiler on first use and cached on disk.
 
-A kernel is one C++ source beside this file, which may include the shared loads and stores of `native.h`. It is
+A kernel is one C++ source beside this file, which may include the shared helpers of `native.h`. It is
 compiled with -O3 -march=native -fopenmp into a shared library under ~/.cache/tformer/kernels, keyed by its source,
 `native.h`, the compiler, the flags and the CPU (so a new source or another machine builds again, in about a
 second). The library runs on torch's own OpenMP runtime: torch has loaded it already, and the library's libgomp.so.1
@@ -32,6 +32,7 @@ HERE = Path(__file__).parent
 COMPILER_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
+@functools.cache
 def cpu_name() -> str:
     """The CPU's model and instruction-set flags (what -march=native compiles for), as far as Linux tells."""
     try:

@@ -41,7 +41,7 @@ static void quantize_row_portable(const T* x, int64_t K, int64_t padded_k, int8_
     int32_t sum = 0;
     for (int64_t k = 0; k < K; ++k) {
         const float rounded = std::nearbyint(to_float(x[k]) * inverse);
-        q[k] = std::isnan(rounded) ? 0 : int8_t(std::fmax(-127.f, std::fmin(127.f, rounded)));
+        q[k] = to_int8(rounded);
         sum += q[k];
     }
     std::memset(q + K, 0, padded_k - K);
