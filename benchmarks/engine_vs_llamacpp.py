@@ -115,8 +115,8 @@ def describe_weights(name: str, path: Path) -> str:
         return f"{dtype}, dequantized from the GGUF by from_gguf (embedding tied to the head){compiled}"
     linears = {
         "int8": "int8 linears incl. the head",
-        "int4": "int4 linears, int8 head",
-        "w8a8": "int8 linears incl. the head, with int8 activations per token (fbgemm)",
+        "int4": "int4 linears (two-step int8 activations per 32), int8 head (two-step int8 activations per token)",
+        "w8a8": "int8 linears incl. the head, with int8 activations per token",
         "fp8": "fp8 e4m3 linears incl. the head (fp32 scale per row), multiplied in fp16 (1 row) or bf16",
     }[mode]
     return f"{linears} (quantized from fp32), {dtype} activations and embedding (row lookups only){compiled}"

@@ -103,6 +103,21 @@ def test_quantized_model_stays_close_and_shrinks(mode: str, budget: float) -> No
     assert (quantized - reference).abs().sum(-1).max() < budget  # total variation distance per position
 
 
+def test_int4_models_head_is_int8_with_two_step_activations() -> None:
+    """The two-step activation rounding adds under 2% of the INT8 weights' own error to the logits (one step: about
+    as much again)."""
+    model = make_model(tiny_config("tiny-llama", d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=96))
+    head = model.lm_head
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        float_logits = head(x).double()
+        quantize(model, "int4")
+        assert isinstance(model.lm_head, W8A8Linear) and model.lm_head.fine
+        logits = model.lm_head(x).double()
+        weight_only = x.double() @ model.lm_head.dequantized().double().T  # INT8 weights, float activations
+    assert (logits - weight_only).abs().max() < 0.02 * (float_logits - weight_only).abs().max()
+
+
 def test_unknown_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="int8, int4"):
         quantize(make_model(tiny_config("tiny-llama")), "int3")

@@ -27,9 +27,18 @@ static inline int weight_at(const uint8_t* w, int64_t padded_k, int64_t n, int64
 
 // Each row x becomes q = round(x * 127 / max|x|) in [-127, 127] with the scale max|x| / 127 (NaN where x holds a
 // NaN: it then reaches every output of the row), and 128 * Σ q, which the unsigned weights' offset adds to every
-// dot product. Columns K .. padded_k - 1 are zeros.
+// dot product. Columns K .. padded_k - 1 are zeros. With a second row (`fine`), the remainder becomes
+// r = round(FINE * (x * 127 / max|x| - q)) with the scale max|x| / (127 FINE): x ≈ (FINE q + r) max|x| / (127 FINE).
+constexpr float FINE = 254.f;  // the second row's steps per step of the first
+
+struct QuantRow {  // one quantized row: its bytes, scale and offset
+    int8_t* q;
+    float* scale;
+    int32_t* offset;
+};
+
 template <typename T>
-static void quantize_row_portable(const T* x, int64_t K, int64_t padded_k, int8_t* q, float* scale, int32_t* offset) {
+static void quantize_row_portable(const T* x, int64_t K, int64_t padded_k, QuantRow row, const QuantRow* fine) {
     float largest = 0.f;
     bool nan = false;
     for (int64_t k = 0; k < K; ++k) {
@@ -38,15 +47,24 @@ static void quantize_row_portable(const T* x, int64_t K, int64_t padded_k, int8_
         largest = std::fmax(largest, std::fabs(value));
     }
     const float inverse = largest > 0.f ? 127.f / largest : 0.f;
-    int32_t sum = 0;
+    int32_t sum = 0, fine_sum = 0;
     for (int64_t k = 0; k < K; ++k) {
-        const float rounded = std::nearbyint(to_float(x[k]) * inverse);
-        q[k] = to_int8(rounded);
-        sum += q[k];
+        const float scaled = to_float(x[k]) * inverse, rounded = std::nearbyint(scaled);
+        row.q[k] = to_int8(rounded);
+        sum += row.q[k];
+        if (fine) {
+            fine->q[k] = to_int8(std::nearbyint((scaled - rounded) * FINE));
+            fine_sum += fine->q[k];
+        }
     }
-    std::memset(q + K, 0, padded_k - K);
-    *scale = nan ? NAN : largest / 127.f;
-    *offset = 128 * sum;
+    std::memset(row.q + K, 0, padded_k - K);
+    *row.scale = nan ? NAN : largest / 127.f;
+    *row.offset = 128 * sum;
+    if (fine) {
+        std::memset(fine->q + K, 0, padded_k - K);
+        *fine->scale = nan ? NAN : largest / (127.f * FINE);
+        *fine->offset = 128 * fine_sum;
+    }
 }
 
 template <typename T>
@@ -69,8 +87,12 @@ static inline __m512 load_masked(const uint16_t* p, __mmask16 mask) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+static inline __m512i clamp_int8(__m512i x) {  // to [-127, 127]; a NaN converted to INT_MIN becomes -127
+    return _mm512_max_epi32(_mm512_min_epi32(x, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+}
+
 template <typename T>
-static void quantize_row(const T* x, int64_t K, int64_t padded_k, int8_t* q, float* scale, int32_t* offset) {
+static void quantize_row(const T* x, int64_t K, int64_t padded_k, QuantRow row, const QuantRow* fine) {
     __m512 largest = _mm512_setzero_ps();
     __mmask16 nan = 0;
     for (int64_t k = 0; k < K; k += 16) {
@@ -81,18 +103,29 @@ static void quantize_row(const T* x, int64_t K, int64_t padded_k, int8_t* q, flo
     }
     const float top = _mm512_reduce_max_ps(largest);
     const __m512 inverse = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
-    __m512i sum = _mm512_setzero_si512();
-    std::memset(q + K, 0, padded_k - K);
+    __m512i sum = _mm512_setzero_si512(), fine_sum = _mm512_setzero_si512();
+    std::memset(row.q + K, 0, padded_k - K);
+    if (fine) std::memset(fine->q + K, 0, padded_k - K);
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 mask = K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
-        const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(load_masked(x + k, mask), inverse));  // to even
-        const __m512i clamped = _mm512_max_epi32(_mm512_min_epi32(rounded, _mm512_set1_epi32(127)),
-                                                 _mm512_set1_epi32(-127));  // a NaN converts to INT_MIN
-        _mm_mask_storeu_epi8(q + k, mask, _mm512_cvtepi32_epi8(clamped));
+        const __m512 scaled = _mm512_mul_ps(load_masked(x + k, mask), inverse);
+        const __m512i clamped = clamp_int8(_mm512_cvtps_epi32(scaled));  // rounds to nearest even
+        _mm_mask_storeu_epi8(row.q + k, mask, _mm512_cvtepi32_epi8(clamped));
         sum = _mm512_add_epi32(sum, _mm512_maskz_mov_epi32(mask, clamped));
+        if (fine) {
+            const __m512 rounded = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i rest = clamp_int8(
+                _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(scaled, rounded), _mm512_set1_ps(FINE))));
+            _mm_mask_storeu_epi8(fine->q + k, mask, _mm512_cvtepi32_epi8(rest));
+            fine_sum = _mm512_add_epi32(fine_sum, _mm512_maskz_mov_epi32(mask, rest));
+        }
     }
-    *scale = nan ? NAN : top / 127.f;
-    *offset = 128 * _mm512_reduce_add_epi32(sum);
+    *row.scale = nan ? NAN : top / 127.f;
+    *row.offset = 128 * _mm512_reduce_add_epi32(sum);
+    if (fine) {
+        *fine->scale = nan ? NAN : top / (127.f * FINE);
+        *fine->offset = 128 * _mm512_reduce_add_epi32(fine_sum);
+    }
 }
 
 // Output rows n0 .. n0 + 16 * TILES - 1 for R input rows; each 64-byte weight load feeds R dot products.
@@ -159,27 +192,59 @@ static void matmul_vnni(const int8_t* q, const float* row_scales, const int32_t*
 
 extern "C" int w8a8_vectorized() { return VNNI_BUILT; }  // 1: the AVX512-VNNI version; 0: portable
 
+// The rounded rows of a call: M rows, or 2M with `fine` (row m's two at 2m and 2m + 1), each padded_k bytes, with
+// their scales and offsets; with `fine` also the float products of the 2M rows, which sum in pairs into the output.
+struct Scratch {
+    int8_t* q;
+    float* row_scales;
+    int32_t* offsets;
+    float* partial;  // (2M, N) with `fine`, else nullptr
+};
+
 template <typename T>
-static void run(const T* x, int64_t M, int64_t K, int64_t padded_k, const uint8_t* w, const float* scales, int64_t N,
-                T* out, int threads, bool portable, int8_t* q, float* row_scales, int32_t* offsets) {
+static void multiply(const int8_t* q, const float* row_scales, const int32_t* offsets, int64_t rows,
+                     int64_t padded_k, const uint8_t* w, const float* scales, int64_t N, T* out, int threads,
+                     bool portable) {
 #ifdef TFORMER_VNNI
-    if (!portable) {
-        #pragma omp parallel for num_threads(threads) schedule(static) if (M > 64)
-        for (int64_t m = 0; m < M; ++m)
-            quantize_row(x + m * K, K, padded_k, q + m * padded_k, row_scales + m, offsets + m);
-        matmul_vnni(q, row_scales, offsets, M, padded_k, w, scales, N, out, threads);
-        return;
-    }
+    if (!portable) return matmul_vnni(q, row_scales, offsets, rows, padded_k, w, scales, N, out, threads);
 #endif
-    for (int64_t m = 0; m < M; ++m)
-        quantize_row_portable(x + m * K, K, padded_k, q + m * padded_k, row_scales + m, offsets + m);
-    matmul_portable(q, row_scales, offsets, M, padded_k, w, scales, N, out, threads);
+    matmul_portable(q, row_scales, offsets, rows, padded_k, w, scales, N, out, threads);
 }
 
-// tformer::w8a8_matmul(Tensor x, Tensor packed, Tensor scales, int out_features, bool portable=False) -> Tensor,
-// defined in w8a8.py. The checks repeat the ones the kernel relies on, so a bad call raises instead of reading out
-// of bounds.
-static Tensor w8a8_matmul_op(Tensor x, Tensor packed, Tensor scales, int64_t out_features, bool portable) {
+template <typename T>
+static void run(const T* x, int64_t M, int64_t K, int64_t padded_k, const uint8_t* w, const float* scales, int64_t N,
+                T* out, int threads, bool portable, Scratch scratch) {
+    const bool fine = scratch.partial != nullptr;
+    const int64_t per_row = fine ? 2 : 1;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (M > 64)
+    for (int64_t m = 0; m < M; ++m) {
+        const int64_t i = per_row * m;
+        const QuantRow row{scratch.q + i * padded_k, scratch.row_scales + i, scratch.offsets + i};
+        const QuantRow rest{row.q + padded_k, row.scale + 1, row.offset + 1};
+#ifdef TFORMER_VNNI
+        if (!portable) {
+            quantize_row(x + m * K, K, padded_k, row, fine ? &rest : nullptr);
+            continue;
+        }
+#endif
+        quantize_row_portable(x + m * K, K, padded_k, row, fine ? &rest : nullptr);
+    }
+    if (!fine)
+        return multiply(scratch.q, scratch.row_scales, scratch.offsets, M, padded_k, w, scales, N, out, threads,
+                        portable);
+    multiply(scratch.q, scratch.row_scales, scratch.offsets, 2 * M, padded_k, w, scales, N, scratch.partial, threads,
+             portable);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (M * N > 65536)
+    for (int64_t m = 0; m < M; ++m) {
+        const float* coarse = scratch.partial + 2 * m * N;
+        for (int64_t n = 0; n < N; ++n) store(out + m * N + n, coarse[n] + coarse[N + n]);
+    }
+}
+
+// tformer::w8a8_matmul(Tensor x, Tensor packed, Tensor scales, int out_features, bool portable=False,
+// bool fine=False) -> Tensor, defined in w8a8.py. The checks repeat the ones the kernel relies on, so a bad call
+// raises instead of reading out of bounds.
+static Tensor w8a8_matmul_op(Tensor x, Tensor packed, Tensor scales, int64_t out_features, bool portable, bool fine) {
     using torch::headeronly::ScalarType;
     const bool bf16 = x.scalar_type() == ScalarType::BFloat16;
     if (!bf16 && x.scalar_type() != ScalarType::Float)
@@ -194,19 +259,22 @@ static Tensor w8a8_matmul_op(Tensor x, Tensor packed, Tensor scales, int64_t out
     const int64_t M = x.size(0), K = x.size(1), padded_k = 4 * packed.size(1), N = out_features;
     Tensor out = torch::stable::new_empty(x, {M, N});
     if (M == 0) return out;
-    int8_t* q = static_cast<int8_t*>(std::malloc(M * padded_k + 8 * M + 64));
+    const int64_t rows = fine ? 2 * M : M, q_bytes = ((rows * padded_k + 63) / 64) * 64;
+    const int64_t bytes = q_bytes + 8 * rows + (fine ? rows * N * int64_t(sizeof(float)) : 0);
+    int8_t* q = static_cast<int8_t*>(std::malloc(bytes));
     if (q == nullptr) throw std::runtime_error("w8a8_matmul: no memory for the quantized activations");
-    float* row_scales = reinterpret_cast<float*>(q + ((M * padded_k + 3) / 4) * 4);
-    int32_t* offsets = reinterpret_cast<int32_t*>(row_scales + M);
+    float* row_scales = reinterpret_cast<float*>(q + q_bytes);
+    int32_t* offsets = reinterpret_cast<int32_t*>(row_scales + rows);
+    const Scratch scratch{q, row_scales, offsets, fine ? reinterpret_cast<float*>(offsets + rows) : nullptr};
     const int threads = int(torch::stable::get_num_threads());
     const uint8_t* w = static_cast<const uint8_t*>(packed.data_ptr());
     const float* s = static_cast<const float*>(scales.data_ptr());
     if (bf16)
         run(static_cast<const uint16_t*>(x.data_ptr()), M, K, padded_k, w, s, N,
-            static_cast<uint16_t*>(out.data_ptr()), threads, portable, q, row_scales, offsets);
+            static_cast<uint16_t*>(out.data_ptr()), threads, portable, scratch);
     else
         run(static_cast<const float*>(x.data_ptr()), M, K, padded_k, w, s, N, static_cast<float*>(out.data_ptr()),
-            threads, portable, q, row_scales, offsets);
+            threads, portable, scratch);
     std::free(q);
     return out;
 }

@@ -25,6 +25,7 @@ from torch import nn
 from tformer.inference import native
 
 TILE = 16  # output rows a 64-byte group holds
+FINE = 254  # with `fine`, the second rounding's steps per step of the first
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -56,42 +57,58 @@ def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.T
 
 
 _LIBRARY = torch.library.Library("tformer", "FRAGMENT")
-_LIBRARY.define("w8a8_matmul(Tensor x, Tensor packed, Tensor scales, int out_features, bool portable=False) -> Tensor")
+_LIBRARY.define(
+    "w8a8_matmul(Tensor x, Tensor packed, Tensor scales, int out_features, bool portable=False, bool fine=False) "
+    "-> Tensor"
+)
 
 
 @torch.library.register_fake("tformer::w8a8_matmul")
-def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int, portable: bool = False):
+def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int, portable=False, fine=False):
     return x.new_empty(x.shape[0], out_features)
 
 
 def w8a8_matmul(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int, portable: bool = False
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    out_features: int,
+    portable: bool = False,
+    fine: bool = False,
 ) -> torch.Tensor:
     """x (M, K) in bf16 or fp32 times the int8 weights `packed` scaled by `scales` (16 ceil(N / 16), float32),
     transposed: (M, N) in x's dtype. `portable` runs the portable loop where the AVX512-VNNI version was built
-    (for tests): both give the same numbers."""
+    (for tests): both give the same numbers. `fine` rounds each row in two steps (`w8a8_formula`)."""
     if not available():
         raise RuntimeError("w8a8_matmul: the W8A8 kernel could not be built here (see the log)")
-    return torch.ops.tformer.w8a8_matmul(x, packed, scales, out_features, portable)
+    return torch.ops.tformer.w8a8_matmul(x, packed, scales, out_features, portable, fine)
 
 
-def w8a8_formula(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def w8a8_formula(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, fine: bool = False) -> torch.Tensor:
     """s_x s_w (q_x q_w^T) in torch (fp32), for x (M, K), q (N, K) int8 and scales (N,): the kernel's result where
-    it cannot run, up to the order of the float products."""
+    it cannot run, up to the order of the float products. With `fine` each row is rounded in two steps, the
+    remainder in steps FINE times smaller: x ≈ s_x (q_x + r_x / FINE), r_x = round(FINE (x / s_x - q_x))."""
     flat = x.float()
     largest = flat.abs().amax(1, keepdim=True)
     inverse = torch.where(largest > 0, torch.full_like(largest, 127).div(largest), 0)  # `127 / t` is 127 * (1 / t)
-    q_x = torch.round(flat * inverse).clamp(-127, 127)
+    scaled = flat * inverse
+    rounded = torch.round(scaled)
+    q_x = rounded.clamp(-127, 127)
+    if fine:
+        q_x = q_x + torch.round((scaled - rounded) * FINE).clamp(-127, 127) / FINE
     return (q_x @ q.float().T) * (largest / 127 * scales[:, None].T)
 
 
 class W8A8Linear(nn.Module):
     """y = s_x s_w (q_x q_w^T) + b from a float layer: int8 weights per output channel, int8 activations per token.
 
-    SmolLM2-135M's John 1 perplexity: see docs/engine.md. Activations enter and leave in the model's dtype."""
+    With `fine`, each token is rounded in two steps (`w8a8_formula`): twice the integer work, for activations held
+    to 1/(127 * 254) of their largest. SmolLM2-135M's John 1 perplexity: see docs/engine.md. Activations enter and
+    leave in the model's dtype."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, fine: bool = False) -> None:
         super().__init__()
+        self.fine = fine
         weight = linear.weight.detach().float().cpu()
         scales = per_channel_scales(weight)
         q = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
@@ -117,9 +134,9 @@ class W8A8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.device.type == "cpu" and flat.dtype in KERNEL_DTYPES and available():
-            out = torch.ops.tformer.w8a8_matmul(flat, self.packed, self.scales, self.out_features)
+            out = torch.ops.tformer.w8a8_matmul(flat, self.packed, self.scales, self.out_features, False, self.fine)
         else:
             scales = self.scales[: self.out_features]
-            out = w8a8_formula(flat, self.quantized_weight().to(flat.device), scales).to(x.dtype)
+            out = w8a8_formula(flat, self.quantized_weight().to(flat.device), scales, self.fine).to(x.dtype)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
