@@ -1,11 +1,20 @@
 // Decode attention over a paged KV cache, reading each row's keys and values where they lie: see paged_attention.py.
-// Built by tformer.inference.native.load with the machine's C++ compiler (-O3 -march=native -fopenmp).
+// Built by tformer.inference.native.load with the machine's C++ compiler (-O3 -march=native -fopenmp), against
+// torch's stable C ABI, which registers the op at the end.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
 #include "native.h"
+
+using torch::stable::Tensor;
 
 #if defined(__AVX512F__)
 #define TFORMER_AVX512 1
@@ -164,15 +173,50 @@ static int attend(const T* q, const T* k, const T* v, const int64_t* slots, cons
     return 0;
 }
 
-extern "C" int paged_decode_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                                           const int64_t* slots, const int64_t* lengths, int64_t B, int64_t H,
-                                           int64_t Hkv, int64_t D, int64_t max_keys, int64_t num_slots, float scale,
-                                           int threads, uint16_t* out) {
-    return attend(q, k, v, slots, lengths, B, H, Hkv, D, max_keys, num_slots, scale, threads, out);
+// tformer::paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths) -> Tensor, defined in
+// paged_attention.py. The checks repeat the ones the kernel relies on (metadata only: no tensor is read before).
+static Tensor paged_decode_attention_op(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths) {
+    using torch::headeronly::ScalarType;
+    if (q.dim() != 4 || q.size(2) != 1)
+        throw std::invalid_argument("paged_decode_attention takes one query per row, q (B, H, 1, D)");
+    const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
+    if (k.dim() != 3 || v.dim() != 3 || k.size(0) != v.size(0) || k.size(1) != v.size(1) || k.size(2) != v.size(2) ||
+        k.size(2) != D || k.size(1) == 0 || H % k.size(1))
+        throw std::invalid_argument("paged_decode_attention: k and v must be the cache's (slots, Hkv, D) tensors "
+                                    "with H a multiple of Hkv");
+    if (!k.is_contiguous() || !v.is_contiguous())
+        throw std::invalid_argument("paged_decode_attention: k and v must be contiguous (the paged cache's own "
+                                    "tensors)");
+    const ScalarType dtype = q.scalar_type();
+    if ((dtype != ScalarType::BFloat16 && dtype != ScalarType::Float) || k.scalar_type() != dtype ||
+        v.scalar_type() != dtype)
+        throw std::invalid_argument("paged_decode_attention: q, k and v must share one dtype of bfloat16 and float32");
+    if (slots.scalar_type() != ScalarType::Long || lengths.scalar_type() != ScalarType::Long || slots.dim() != 2 ||
+        slots.size(0) != B || lengths.dim() != 1 || lengths.size(0) != B)
+        throw std::invalid_argument("paged_decode_attention: slots must be int64 (B, max_keys) and lengths int64 (B,)");
+    if (!q.is_contiguous()) q = torch::stable::contiguous(q);
+    if (!slots.is_contiguous()) slots = torch::stable::contiguous(slots);
+    if (!lengths.is_contiguous()) lengths = torch::stable::contiguous(lengths);
+    Tensor out = torch::stable::new_empty(q, {B, H, 1, D});
+    const int64_t Hkv = k.size(1), max_keys = slots.size(1), num_slots = k.size(0);
+    const float scale = float(std::pow(double(D), -0.5));  // as Python's D ** -0.5
+    const int threads = int(torch::stable::get_num_threads());
+    const auto* slot_ids = static_cast<const int64_t*>(slots.data_ptr());
+    const auto* counts = static_cast<const int64_t*>(lengths.data_ptr());
+    const int status =
+        dtype == ScalarType::BFloat16
+            ? attend(static_cast<const uint16_t*>(q.data_ptr()), static_cast<const uint16_t*>(k.data_ptr()),
+                     static_cast<const uint16_t*>(v.data_ptr()), slot_ids, counts, B, H, Hkv, D, max_keys, num_slots,
+                     scale, threads, static_cast<uint16_t*>(out.data_ptr()))
+            : attend(static_cast<const float*>(q.data_ptr()), static_cast<const float*>(k.data_ptr()),
+                     static_cast<const float*>(v.data_ptr()), slot_ids, counts, B, H, Hkv, D, max_keys, num_slots,
+                     scale, threads, static_cast<float*>(out.data_ptr()));
+    if (status)
+        throw std::out_of_range("paged_decode_attention: a slot to read lies outside the cache's " +
+                                std::to_string(num_slots) + " slots");
+    return out;
 }
 
-extern "C" int paged_decode_attention_f32(const float* q, const float* k, const float* v, const int64_t* slots,
-                                          const int64_t* lengths, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                                          int64_t max_keys, int64_t num_slots, float scale, int threads, float* out) {
-    return attend(q, k, v, slots, lengths, B, H, Hkv, D, max_keys, num_slots, scale, threads, out);
+STABLE_TORCH_LIBRARY_IMPL(tformer, CPU, m) {
+    m.impl("paged_decode_attention", TORCH_BOX(&paged_decode_attention_op));
 }
