@@ -8,10 +8,11 @@ to each token. This benchmark measures it side by side on the same requests:
 - **engine**: this process builds the same engine (`load_engine`, the same flags and `EngineConfig`, the
   same warm-up) and streams the same prompts through `Engine.stream`, one after another.
 
-The two alternate, `--requests` requests per round, for `--rounds` rounds; while one side runs the other
-waits idle (the server's engine thread blocks on its command queue). Each request gives its end-to-end
-tokens/s (new tokens over the whole request, prefill and time to first token included) and its decode
-tokens/s (the tokens after the first over the time after the first). Printed: the medians per side and the
+The two alternate request by request (the machine's speed drifts within a minute, so alternating round by round
+gave ratios from 0.84x to 1.00x for the same code), `--requests` prompts per round, for `--rounds` rounds; while
+one side runs the other waits idle (the server's engine thread blocks on its command queue). Each request gives
+its end-to-end tokens/s (new tokens over the whole request, prefill and time to first token included) and its
+decode tokens/s (the tokens after the first over the time after the first). Printed: the medians per side and the
 ratio server / engine (above 1 would be a server faster than its engine).
 
     flock /tmp/tformer-cpu.lock .venv/bin/python benchmarks/server_vs_engine.py --quantize w8a8 --compile
@@ -116,17 +117,18 @@ def main() -> None:
                 engine_request(engine, p, args.max_tokens)
             runs: dict[str, list[tuple[float, float, int]]] = {SERVER: [], ENGINE: []}
             for round_ in range(args.rounds):
-                runs[SERVER] += server_requests(server.url, prompts, args.max_tokens, side.extra_body)
-                runs[ENGINE] += [engine_request(engine, p, args.max_tokens) for p in token_prompts]
+                for text, tokens in zip(prompts, token_prompts, strict=True):  # the sides alternate request by request
+                    runs[SERVER] += server_requests(server.url, [text], args.max_tokens, side.extra_body)
+                    runs[ENGINE].append(engine_request(engine, tokens, args.max_tokens))
                 latest = {name: rates(r[-args.requests :])[0] for name, r in runs.items()}
                 print(f"  round {round_ + 1}, e2e tok/s: " + ", ".join(f"{n} {v:.1f}" for n, v in latest.items()))
         finally:
             server.stop()
 
     print(
-        f"\nSmolLM2-135M-Instruct (Q4_1 GGUF), flags: {flags or '(none: fp32, eager)'}; {args.rounds} alternating "
-        f"rounds of {args.requests} greedy requests a side, {args.max_tokens} new tokens each (end-of-sequence "
-        f"ignored), one request at a time; {args.threads} threads a side; medians over all requests"
+        f"\nSmolLM2-135M-Instruct (Q4_1 GGUF), flags: {flags or '(none: fp32, eager)'}; {args.rounds} rounds of "
+        f"{args.requests} greedy requests a side, alternating request by request, {args.max_tokens} new tokens "
+        f"each (end-of-sequence ignored), one request at a time; {args.threads} threads a side; medians"
     )
     print(f"{'':26s} {'e2e tok/s':>10s} {'decode tok/s':>13s} {'TTFT ms':>8s}")
     summary = {name: rates(r) for name, r in runs.items()}

