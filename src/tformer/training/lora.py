@@ -95,10 +95,11 @@ class LoRALinear(nn.Module):
         return F.linear(x, self.weight, self.bias) + self.config.scale * self.lora_B(self.lora_A(self.dropout(x)))
 
     def merged(self) -> nn.Linear:
-        """A plain nn.Linear holding W + scale * B A (computed in fp32, stored in W's dtype)."""
+        """A plain nn.Linear holding W + scale * B A (computed in fp32, or in W's dtype if wider; stored in W's)."""
         with torch.no_grad():
-            delta = self.lora_B.weight.float() @ self.lora_A.weight.float()  # (out, rank) @ (rank, in)
-            weight = (self.weight.float() + self.config.scale * delta).to(self.weight.dtype)
+            wide = torch.promote_types(self.weight.dtype, torch.float32)
+            delta = self.lora_B.weight.to(wide) @ self.lora_A.weight.to(wide)  # (out, rank) @ (rank, in)
+            weight = (self.weight.to(wide) + self.config.scale * delta).to(self.weight.dtype)
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         linear.weight = nn.Parameter(weight, requires_grad=self.weight.requires_grad)
         linear.bias = self.bias
