@@ -46,6 +46,18 @@ def test_kernel_matches_the_formula(m: int, k: int, n: int, dtype: torch.dtype, 
         torch.testing.assert_close(out.double(), expected, rtol=2**-7, atol=0)
 
 
+def test_two_step_calls_of_many_rows_run_in_chunks_and_give_each_rows_own_result() -> None:
+    """Over 64 rows the two-step products are computed 64 rows at a time (a bounded scratch)."""
+    layer = W8A8Linear(nn.Linear(64, 40, bias=False), fine=True)
+    x = torch.randn(150, 64)
+    out = layer(x)
+    expected = formula(x, layer.quantized_weight(), layer.scales[:40], fine=True)
+    atol = 1e-6 * expected.abs().amax(1, keepdim=True)
+    assert ((out.double() - expected).abs() <= 1e-6 * expected.abs() + atol).all()
+    for row in (0, 63, 64, 127, 128, 149):
+        assert torch.equal(layer(x[row : row + 1]), out[row : row + 1])
+
+
 def test_two_step_rounding_comes_close_to_the_float_product() -> None:
     """The second step holds each activation to 1/(127 * 254) of the row's largest: the error against the product
     with float activations shrinks by two orders of magnitude."""

@@ -193,7 +193,9 @@ static void matmul_vnni(const int8_t* q, const float* row_scales, const int32_t*
 extern "C" int w8a8_vectorized() { return VNNI_BUILT; }  // 1: the AVX512-VNNI version; 0: portable
 
 // The rounded rows of a call: M rows, or 2M with `fine` (row m's two at 2m and 2m + 1), each padded_k bytes, with
-// their scales and offsets; with `fine` also the float products of the 2M rows, which sum in pairs into the output.
+// their scales and offsets; with `fine` also the float products of up to 2 FINE_ROWS rows, which sum in pairs into
+// the output (for the 49152-column head, 64 rows take 25 MB).
+constexpr int64_t FINE_ROWS = 64;
 struct Scratch {
     int8_t* q;
     float* row_scales;
@@ -232,12 +234,15 @@ static void run(const T* x, int64_t M, int64_t K, int64_t padded_k, const uint8_
     if (!fine)
         return multiply(scratch.q, scratch.row_scales, scratch.offsets, M, padded_k, w, scales, N, out, threads,
                         portable);
-    multiply(scratch.q, scratch.row_scales, scratch.offsets, 2 * M, padded_k, w, scales, N, scratch.partial, threads,
-             portable);
-    #pragma omp parallel for num_threads(threads) schedule(static) if (M * N > 65536)
-    for (int64_t m = 0; m < M; ++m) {
-        const float* coarse = scratch.partial + 2 * m * N;
-        for (int64_t n = 0; n < N; ++n) store(out + m * N + n, coarse[n] + coarse[N + n]);
+    for (int64_t m0 = 0; m0 < M; m0 += FINE_ROWS) {  // the products of FINE_ROWS rows at a time: a bounded scratch
+        const int64_t rows = M - m0 < FINE_ROWS ? M - m0 : FINE_ROWS;
+        multiply(scratch.q + 2 * m0 * padded_k, scratch.row_scales + 2 * m0, scratch.offsets + 2 * m0, 2 * rows,
+                 padded_k, w, scales, N, scratch.partial, threads, portable);
+        #pragma omp parallel for num_threads(threads) schedule(static) if (rows * N > 65536)
+        for (int64_t m = 0; m < rows; ++m) {
+            const float* coarse = scratch.partial + 2 * m * N;
+            for (int64_t n = 0; n < N; ++n) store(out + (m0 + m) * N + n, coarse[n] + coarse[N + n]);
+        }
     }
 }
 
@@ -260,7 +265,8 @@ static Tensor w8a8_matmul_op(Tensor x, Tensor packed, Tensor scales, int64_t out
     Tensor out = torch::stable::new_empty(x, {M, N});
     if (M == 0) return out;
     const int64_t rows = fine ? 2 * M : M, q_bytes = ((rows * padded_k + 63) / 64) * 64;
-    const int64_t bytes = q_bytes + 8 * rows + (fine ? rows * N * int64_t(sizeof(float)) : 0);
+    const int64_t partial_rows = fine ? 2 * (M < FINE_ROWS ? M : FINE_ROWS) : 0;
+    const int64_t bytes = q_bytes + 8 * rows + partial_rows * N * int64_t(sizeof(float));
     int8_t* q = static_cast<int8_t*>(std::malloc(bytes));
     if (q == nullptr) throw std::runtime_error("w8a8_matmul: no memory for the quantized activations");
     float* row_scales = reinterpret_cast<float*>(q + q_bytes);
