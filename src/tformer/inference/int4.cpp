@@ -44,9 +44,8 @@ static inline int weight_at(const uint8_t* chunk, int64_t r, int64_t k) {
 // Each block of 32 activations x becomes two int8 blocks, x ≈ (254 q + r) * d with d = max |x| / (127 * 254):
 // q = round(s) and r = round(254 (s - q)) for s = x / max|x| * 127, so a block keeps its values to 1/64,000 of its
 // largest (one int8 block alone, llama.cpp's Q8_1, cost SmolLM2-135M 0.25 of John 1 perplexity in bf16). It also
-// keeps the sum of its float values, which the minimums multiply. The portable and vectorized versions round alike.
-constexpr float FINE = 254.f;  // the second int8 block's steps per step of the first
-
+// keeps the sum of its float values, which the minimums multiply. The portable and vectorized versions round alike
+// (FINE = 254 and `remainder_int8` in native.h, shared with the w8a8 kernel).
 template <typename T>
 static void quantize_block_portable(const T* x, int8_t* q, float* d, float* sum) {
     float largest = 0.f, total = 0.f;
@@ -55,7 +54,7 @@ static void quantize_block_portable(const T* x, int8_t* q, float* d, float* sum)
     for (int64_t k = 0; k < BLOCK; ++k) {
         const float value = to_float(x[k]), scaled = value * inverse, coarse = std::nearbyint(scaled);
         q[k] = to_int8(coarse);
-        q[BLOCK + k] = to_int8(std::nearbyint((scaled - coarse) * FINE));
+        q[BLOCK + k] = remainder_int8(scaled, coarse);
         total += value;  // a NaN or an infinity anywhere in the block reaches the output through the sum
     }
     *d = largest / (127.f * FINE);

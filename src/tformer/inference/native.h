@@ -24,6 +24,12 @@ static inline void store(uint16_t* out, float x) {  // round to nearest even, as
 static inline int8_t to_int8(float rounded) {
     return std::isnan(rounded) ? 0 : int8_t(std::fmax(-127.f, std::fmin(127.f, rounded)));
 }
+// The second step of the int4 and w8a8 kernels' two-step rounding: a value scaled to [-127, 127] and rounded to q
+// keeps its remainder as r = round(FINE (scaled - q)), in steps FINE times finer than q's.
+constexpr float FINE = 254.f;
+static inline int8_t remainder_int8(float scaled, float rounded) {
+    return to_int8(std::nearbyint((scaled - rounded) * FINE));
+}
 
 // Whether this build has the integer dot products (AVX512-VNNI) the int4 and w8a8 kernels vectorize with.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)

@@ -28,8 +28,8 @@ static inline int weight_at(const uint8_t* w, int64_t padded_k, int64_t n, int64
 // Each row x becomes q = round(x * 127 / max|x|) in [-127, 127] with the scale max|x| / 127 (NaN where x holds a
 // NaN: it then reaches every output of the row), and 128 * Σ q, which the unsigned weights' offset adds to every
 // dot product. Columns K .. padded_k - 1 are zeros. With a second row (`fine`), the remainder becomes
-// r = round(FINE * (x * 127 / max|x| - q)) with the scale max|x| / (127 FINE): x ≈ (FINE q + r) max|x| / (127 FINE).
-constexpr float FINE = 254.f;  // the second row's steps per step of the first
+// r = round(FINE * (x * 127 / max|x| - q)) with the scale max|x| / (127 FINE): x ≈ (FINE q + r) max|x| / (127 FINE)
+// (FINE and `remainder_int8` in native.h, shared with the int4 kernel).
 
 struct QuantRow {  // one quantized row: its bytes, scale and offset
     int8_t* q;
@@ -53,7 +53,7 @@ static void quantize_row_portable(const T* x, int64_t K, int64_t padded_k, Quant
         row.q[k] = to_int8(rounded);
         sum += row.q[k];
         if (fine) {
-            fine->q[k] = to_int8(std::nearbyint((scaled - rounded) * FINE));
+            fine->q[k] = remainder_int8(scaled, rounded);
             fine_sum += fine->q[k];
         }
     }
@@ -200,7 +200,7 @@ struct Scratch {
     int8_t* q;
     float* row_scales;
     int32_t* offsets;
-    float* partial;  // (2M, N) with `fine`, else nullptr
+    float* partial;  // (2 min(M, FINE_ROWS), N) with `fine`, else nullptr
 };
 
 template <typename T>
