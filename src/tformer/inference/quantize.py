@@ -1,57 +1,38 @@
-"""Quantization of a model's linear layers: weight-only INT8 per output channel and INT4 in groups, and W8A8
-(INT8 weights and INT8 activations).
+"""Quantization of a model's linear layers: INT8 per output channel and INT4 in groups (their activations held
+close to the float ones), and W8A8 (INT8 weights and INT8 activations).
 
-INT8: w ≈ q * s with q in [-128, 127] and one scale s per output row (s = max|w_row| / 127). Activations stay in
-floating point, in the model's dtype. On the CPU the matmul is torch's packed kernel (`_weight_int8pack_mm`),
-which reads the int8 weights directly and is fast with bfloat16 activations only: for SmolLM2-135M's linear
-layers at batch 1 on the 2-core development machine, 12.8 ms a token with bf16 activations and 68 ms with fp32,
-against 24 ms for plain bf16 and 48 ms for fp32 weights. So `set_precision` serves quantized models in bfloat16
-unless told otherwise. Elsewhere INT8 runs as a matmul with the int8 weight cast to the activation dtype, then
-scaled.
+INT8: w ≈ q * s with q in [-127, 127] and one scale s per output row (s = max|w_row| / 127). On the CPU the matmul
+is tformer's W8A8 kernel with each token's activations rounded in two int8 steps (`W8A8Linear(fine=True)`): to
+1/(127 * 254) of the token's largest, 3e-5 of the largest output where bf16 activations give 4e-3. Torch's
+weight-only kernel (`_weight_int8pack_mm`) was 2-3x slower with bf16 activations, and 20-80x slower with fp32
+(SmolLM2-135M's shapes, 2-core Xeon, 2026-12-02: 1,536 x 576 at 40 rows took 33.9 ms, against 0.80 in bf16 and
+0.40 here). Elsewhere the same formula runs in torch (`w8a8.w8a8_formula`).
 INT4: each group of `group_size` input weights of a row keeps a scale and a minimum, w ≈ q * s + m with q in
 [0, 15] (llama.cpp's Q4_1), multiplied on the CPU's integer dot-product units (`int4.Int4Linear`).
-W8A8 also quantizes each token's activations to int8 as it enters a layer (`w8a8.W8A8Linear`), so the matmul runs
-on integers, on the CPU's dot-product units.
+W8A8 quantizes each token's activations to int8 in one step as it enters a layer (`w8a8.W8A8Linear`): half the
+integer work of INT8's two steps, and activations held to 1/127 of their largest.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tformer.config import ConfigError
 from tformer.inference.fp8 import Fp8Linear
 from tformer.inference.fusion import fuse_projections
 from tformer.inference.int4 import Int4Linear
-from tformer.inference.w8a8 import W8A8Linear, per_channel_scales
+from tformer.inference.w8a8 import W8A8Linear
 
 QUANT_MODES = ("int8", "int4", "w8a8", "fp8")
 
 
-class Int8Linear(nn.Module):
-    """y = x (q * s)^T + b with int8 q (out, in) and float scales s (out,)."""
+class Int8Linear(W8A8Linear):
+    """y = x (q * s)^T + b with int8 q (out, in) and float scales s (out,); each token's activations are rounded
+    in two int8 steps on their way into the integer matmul (see the module's docstring)."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        weight = linear.weight.detach().float()
-        scales = per_channel_scales(weight)
-        self.register_buffer("qweight", torch.round(weight / scales[:, None]).clamp(-128, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(linear.weight.dtype))
-        self.bias = linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def dequantized(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.float()[:, None]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu":
-            out = torch._weight_int8pack_mm(flat, self.qweight, self.scales.to(flat.dtype))
-        else:
-            out = F.linear(flat, self.qweight.to(flat.dtype)) * self.scales.to(flat.dtype)
-        out = out.reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
+        super().__init__(linear, fine=True)
 
 
 def _check_mode(mode: str) -> None:
@@ -63,12 +44,11 @@ def quantize(model: nn.Module, mode: str = "int8", group_size: int = 32) -> nn.M
     """Replaces every nn.Linear of `model` in place (the output head too); returns the model.
 
     Embedding tables stay in floating point. A layer whose shape INT4's kernel cannot take stays as it is.
-    With INT4 the output head (`lm_head`) gets INT8 weights, as llama.cpp's 4-bit files keep their output matrix
-    at 8 bits or more, multiplied by W8A8's kernel with each token rounded in two steps (`W8A8Linear(fine=True)`):
-    half the time of torch's INT8 kernel with bf16 activations (1.5 against 3.1 ms a token on a 2-core Xeon,
-    2026-12-02) at the same perplexity. SmolLM2-135M's John 1 perplexity (12.54 in fp32; these with bf16
-    activations): 12.51 as done here (12.51 with torch's INT8 head, 12.60 with one-step W8A8), 13.28 with an INT4
-    head, 16.62 with groups of 64 (the GGUF's Q4_1 blocks hold 32 weights).
+    With INT4 the output head (`lm_head`) gets INT8 weights (`Int8Linear`), as llama.cpp's 4-bit files keep their
+    output matrix at 8 bits or more: half the time of torch's weight-only INT8 kernel with bf16 activations (1.5
+    against 3.1 ms a token on a 2-core Xeon, 2026-12-02) at the same perplexity. SmolLM2-135M's John 1 perplexity
+    (12.54 in fp32; these with bf16 activations): 12.51 as done here (12.51 with torch's kernel, 12.60 with
+    one-step W8A8), 13.28 with an INT4 head, 16.62 with groups of 64 (the GGUF's Q4_1 blocks hold 32 weights).
     """
     _check_mode(mode)
     for module in list(model.modules()):
@@ -79,10 +59,8 @@ def quantize(model: nn.Module, mode: str = "int8", group_size: int = 32) -> nn.M
                 setattr(module, child_name, W8A8Linear(child))
             elif mode == "fp8":
                 setattr(module, child_name, Fp8Linear(child))
-            elif mode == "int8":
+            elif mode == "int8" or (module is model and child_name == "lm_head"):
                 setattr(module, child_name, Int8Linear(child))
-            elif module is model and child_name == "lm_head":
-                setattr(module, child_name, W8A8Linear(child, fine=True))
             elif child.in_features % group_size == 0 and child.out_features % 16 == 0:
                 setattr(module, child_name, Int4Linear(child, group_size))
     return model
@@ -100,7 +78,7 @@ def check_precision(dtype: str = "auto", quantize_mode: str | None = None) -> No
 
 
 def resolve_dtype(dtype: str, quantize_mode: str | None) -> str:
-    """'auto' is float32 for float weights and bfloat16 for quantized ones (the packed kernels' fast case)."""
+    """'auto' is float32 for float weights and bfloat16 for quantized ones (half the activation bytes)."""
     if dtype != "auto":
         return dtype
     return "float32" if quantize_mode is None else "bfloat16"
