@@ -42,8 +42,8 @@ def generate(
     chat: wrap each prompt as a user message with the tokenizer's chat template, when it has one
     quantize: int8 or int4 (weights only) or w8a8 (weights and activations, x86) for the linear layers (default: none)
     dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
-    compile: run decode steps through torch.compile: the first run spends about 40 s compiling (SmolLM2, 2
-      cores), later runs about 15 s, reusing the kernels cached under ~/.cache/tformer
+    compile: run decode steps through torch.compile: the first run spends a few minutes compiling (SmolLM2 INT4 on
+      a 2-core Xeon: 4 minutes), later runs about 40 s, reusing the kernels cached under ~/.cache/tformer
     draft_model: a small model on the same tokenizer for speculative decoding (or the model itself, quantized)
     draft_quantize: int8, int4 or w8a8 quantization of the draft model (default: none)
     speculative_tokens: draft tokens per decode step, with a draft model
@@ -104,8 +104,9 @@ def serve(
     max_seqs: requests decoded together in one continuous batch
     max_batched_tokens: tokens per engine step; longer prompts are prefilled in chunks of this size
     kv_cache_mb: memory for the paged KV cache, in MiB
-    compile: run decode steps through torch.compile, compiled before the server listens: about 40 s the first
-      time (SmolLM2, 2 cores), about 15 s later, from the kernels cached under ~/.cache/tformer
+    compile: run decode steps through torch.compile, compiled before the server listens: a few minutes the first
+      time (SmolLM2 INT4 on a 2-core Xeon: 4 minutes), about 40 s later, from the kernels cached under
+      ~/.cache/tformer
     draft_model: a small model on the same tokenizer for speculative decoding (or the model itself, quantized)
     draft_quantize: int8, int4 or w8a8 quantization of the draft model (default: none)
     speculative_tokens: draft tokens per decode step, with a draft model

@@ -135,7 +135,7 @@ def remedies(engine: Engine, result: BenchResult) -> list[str]:
         "concurrent requests continuously",
         "compiled decode: on"
         if engine.config.compile
-        else "compiled decode: off - --compile fuses each decode step's small ops (about 40 s the first time)",
+        else "compiled decode: off - --compile fuses each decode step's small ops (minutes the first time)",
     ]
 
 
