@@ -40,7 +40,8 @@ def generate(
     prompts: the prompts; none means read stdin
     temperature: 0 is greedy
     chat: wrap each prompt as a user message with the tokenizer's chat template, when it has one
-    quantize: int8 or int4 (weights only) or w8a8 (weights and activations, x86) for the linear layers (default: none)
+    quantize: int8 or int4 (integer weights; activations rounded finely, in two int8 steps) or w8a8 (weights and
+      activations in one int8 step, x86) for the linear layers (default: none)
     dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
     compile: run decode steps through torch.compile: the first run spends a few minutes compiling (SmolLM2 INT4 on
       a 2-core Xeon: 4 minutes), later runs about 40 s, reusing the kernels cached under ~/.cache/tformer
@@ -98,7 +99,8 @@ def serve(
     port: TCP port to listen on
     api_key: require 'Authorization: Bearer KEY' on /v1 routes (default: $TFORMER_API_KEY, else none)
     model_name: the model id clients send and /v1/models lists (default: the file or directory name)
-    quantize: int8 or int4 (weights only) or w8a8 (weights and activations, x86) for the linear layers (default: none)
+    quantize: int8 or int4 (integer weights; activations rounded finely, in two int8 steps) or w8a8 (weights and
+      activations in one int8 step, x86) for the linear layers (default: none)
     dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
     max_model_len: the context a request may fill, prompt and output (default 0: the model's)
     max_seqs: requests decoded together in one continuous batch
