@@ -83,14 +83,18 @@ def _build(name: str, source: str, compiler: str, flags: list[str], library: Pat
         os.replace(built, library)  # whole or not at all: another process may be loading it
 
 
-def op_library(name: str, what: str) -> tuple[Callable[[], ctypes.CDLL | None], Callable[[], bool], Callable[[], bool]]:
-    """For a kernel that registers torch ops and exports `<name>_vectorized()`: `kernel()`, the library loaded on
-    first use (None where it cannot be built; logged once); `available()`, whether it loaded, an answer a compiled
-    graph reads once and never traces; `vectorized()`, whether it runs its AVX512-VNNI version (else its portable
-    loop)."""
+def op_library(
+    name: str, what: str, switch: str | None = None
+) -> tuple[Callable[[], ctypes.CDLL | None], Callable[[], bool], Callable[[], bool]]:
+    """For a kernel that registers torch ops: `kernel()`, the library loaded on first use (None where it cannot be
+    built, logged once, or where the environment variable `switch` is "0"); `available()`, whether it loaded, an
+    answer a compiled graph reads once and never traces; `vectorized()`, for a kernel that exports
+    `<name>_vectorized()`, whether it runs its AVX512-VNNI version (else its portable loop)."""
 
     @functools.cache
     def kernel() -> ctypes.CDLL | None:
+        if switch is not None and os.environ.get(switch, "1") == "0":
+            return None
         return load(name, what, torch_ops=True)
 
     @torch.compiler.assume_constant_result

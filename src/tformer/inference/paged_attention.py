@@ -17,10 +17,6 @@ the gather path.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
-
 import torch
 
 from tformer.inference import native
@@ -28,20 +24,12 @@ from tformer.inference import native
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
-@functools.cache
-def kernel() -> ctypes.CDLL | None:
-    """The compiled kernel library (`native.load`), which implements `tformer::paged_decode_attention` on the CPU
-    once loaded; None (logged once) when this machine cannot build or load it, or when TFORMER_PAGED_ATTENTION=0:
-    callers then keep their gather path."""
-    if os.environ.get("TFORMER_PAGED_ATTENTION", "1") == "0":
-        return None
-    return native.load("paged_attention", "paged decode attention unavailable, attention gathers keys instead", True)
-
-
-@torch.compiler.assume_constant_result
-def available() -> bool:
-    """Whether the kernel loaded: an answer a compiled graph reads once and never traces."""
-    return kernel() is not None
+# The compiled kernel library (`native.load`), which implements `tformer::paged_decode_attention` on the CPU once
+# loaded; `kernel()` is None (logged once) when this machine cannot build or load it, or when
+# TFORMER_PAGED_ATTENTION=0: callers then keep their gather path. `available()`: whether it loaded.
+kernel, available, _ = native.op_library(
+    "paged_attention", "paged decode attention unavailable, attention gathers keys instead", "TFORMER_PAGED_ATTENTION"
+)
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
