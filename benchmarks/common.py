@@ -137,7 +137,9 @@ def kernel_paths() -> str:
         if not module.available():
             how = "the formula in torch (the kernel is unavailable here)"
         else:
-            how = "AVX512-VNNI dot products" if module.vectorized() else "the kernel's portable loop (no AVX512-VNNI)"
+            how = {"AVX512-VNNI": "AVX512-VNNI dot products", "AVX2": "AVX2 byte multiplies (vpmaddubsw)"}.get(
+                module.instructions(), "the kernel's portable loop (neither AVX512-VNNI nor AVX2)"
+            )
         lines.append(f"tformer {name} matmuls: {how}")
     return "\n".join(lines)
 

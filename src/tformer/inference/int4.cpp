@@ -166,7 +166,70 @@ static void matmul_vnni(const T* x, int64_t M, int64_t K, const uint8_t* w, int6
 }
 #endif
 
-extern "C" int int4_vectorized() { return VNNI_BUILT; }  // 1: the AVX512-VNNI version; 0: portable
+#ifdef TFORMER_AVX2
+// Output rows t*16 .. t*16+15 for R input rows, one half of 8 rows at a time. vpmaddubsw multiplies the unsigned
+// 4-bit weights by the activations and sums pairs into 16 bits: a block's 8 such sums stay below 8 * 2 * 15 * 127
+// = 30,480, so they add in 16 bits before vpmaddwd widens them once a block.
+template <int R, typename T>
+static inline void half_rows_avx2(const uint8_t* w_tile, int64_t blocks, int h, const int8_t* q, const float* d,
+                                  const float* sums, int64_t K, int64_t N, T* out) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i low_half = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* chunk = w_tile + b * CHUNK;
+        __m256i low[4], high[4];
+        for (int j = 0; j < 4; ++j) {
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 * j + 32 * h));
+            low[j] = _mm256_and_si256(bytes, low_half);
+            high[j] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_half);
+        }
+        const auto halves = reinterpret_cast<const __m128i*>(chunk + 256 + 16 * h);
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(halves));
+        const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(halves + 2));  // 32 bytes on
+        for (int r = 0; r < R; ++r) {
+            const int32_t* quads = reinterpret_cast<const int32_t*>(q + 2 * (r * K + b * BLOCK));
+            __m256i coarse = _mm256_setzero_si256(), fine = _mm256_setzero_si256();
+            for (int j = 0; j < 4; ++j) {
+                coarse = _mm256_add_epi16(coarse, _mm256_maddubs_epi16(low[j], _mm256_set1_epi32(quads[j])));
+                coarse = _mm256_add_epi16(coarse, _mm256_maddubs_epi16(high[j], _mm256_set1_epi32(quads[4 + j])));
+                fine = _mm256_add_epi16(fine, _mm256_maddubs_epi16(low[j], _mm256_set1_epi32(quads[8 + j])));
+                fine = _mm256_add_epi16(fine, _mm256_maddubs_epi16(high[j], _mm256_set1_epi32(quads[12 + j])));
+            }
+            const __m256i dot = _mm256_add_epi32(
+                _mm256_mullo_epi32(_mm256_madd_epi16(coarse, ones), _mm256_set1_epi32(int32_t(FINE))),
+                _mm256_madd_epi16(fine, ones));
+            const int64_t i = r * (K / BLOCK) + b;
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(d[i])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(sums[i]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) store8(out + r * N + 8 * h, acc[r]);
+}
+
+template <typename T>
+static void matmul_avx2(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, T* out, int threads,
+                        int8_t* q, float* d, float* sums) {
+    const int64_t blocks = K / BLOCK, tiles = N / TILE;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (M * blocks > 512)
+    for (int64_t i = 0; i < M * blocks; ++i)
+        quantize_block_portable(x + i * BLOCK, q + 2 * i * BLOCK, d + i, sums + i);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (tiles * M > 4)
+    for (int64_t t = 0; t < 2 * tiles; ++t) {  // half tiles: 8 output rows each
+        const uint8_t* w_tile = w + (t / 2) * blocks * CHUNK;
+        const int h = int(t % 2);
+        T* at = out + (t / 2) * TILE;
+        int64_t m = 0;
+        for (; m + ROWS <= M; m += ROWS)
+            half_rows_avx2<ROWS>(w_tile, blocks, h, q + 2 * m * K, d + m * blocks, sums + m * blocks, K, N,
+                                 at + m * N);
+        for (; m < M; ++m)
+            half_rows_avx2<1>(w_tile, blocks, h, q + 2 * m * K, d + m * blocks, sums + m * blocks, K, N, at + m * N);
+    }
+}
+#endif
+
+extern "C" const char* int4_instructions() { return KERNEL_INSTRUCTIONS; }  // "AVX512-VNNI", "AVX2" or "portable"
 
 // x (M, K) times the packed weight (N / 16, K / 32, 320) into out (M, N); K % 32 == 0 and N % 16 == 0.
 // Returns 0, or -1 (computing nothing) when the scratch for the quantized activations cannot be allocated.
@@ -184,7 +247,10 @@ static int matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
 #ifdef TFORMER_VNNI
     if (!portable) matmul_vnni(x, M, K, w, N, out, threads, q, scales, scales + count);
 #endif
-    if (portable || !VNNI_BUILT) matmul_portable(x, M, K, w, N, out, threads, q, scales, scales + count);
+#ifdef TFORMER_AVX2
+    if (!portable) matmul_avx2(x, M, K, w, N, out, threads, q, scales, scales + count);
+#endif
+    if (portable || !VECTORIZED) matmul_portable(x, M, K, w, N, out, threads, q, scales, scales + count);
     std::free(q);
     std::free(scales);
     return 0;

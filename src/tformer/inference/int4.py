@@ -18,8 +18,8 @@ join by concatenating chunks. Against torch's own packed INT4 kernel (`_weight_i
 activations), SmolLM2's shapes on 2 cores of this AMD EPYC, weights in the CPU's caches (2026-12-02): 0.9-1.6x at
 1 row and 1.8-2.0x at 32 and 450 rows (one int8 step: 1.5-3.4x and 2.6-3.4x). In the engine at batch 1, where the
 weights stream from memory and each call costs 3.5 us, INT4 went from 0.89x llama.cpp to 1.17-1.18x. Without
-AVX512-VNNI the same format runs a portable loop; without a C++ compiler, or off the CPU, the layer multiplies by
-its dequantized weight.
+AVX512-VNNI, on AVX2 (AMD's Zen 3), the same format runs on `vpmaddubsw` (32 products an instruction), else on a
+portable loop; without a C++ compiler, or off the CPU, the layer multiplies by its dequantized weight.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ TILE, BLOCK, CHUNK = 16, 32, 320  # output rows and input columns a chunk holds,
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
-# kernel(): the library, which implements `tformer::int4_matmul` on the CPU once loaded; available(); vectorized()
+# kernel(): the library, which implements `tformer::int4_matmul` on the CPU once loaded; available(); instructions()
 UNAVAILABLE = "the INT4 kernel is unavailable: INT4 layers multiply by dequantized weights"
-kernel, available, vectorized = native.op_library("int4", UNAVAILABLE)
+kernel, available, instructions = native.op_library("int4", UNAVAILABLE)
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:

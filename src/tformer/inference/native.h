@@ -31,12 +31,46 @@ static inline int8_t remainder_int8(float scaled, float rounded) {
     return to_int8(std::nearbyint((scaled - rounded) * FINE));
 }
 
-// Whether this build has the integer dot products (AVX512-VNNI) the int4 and w8a8 kernels vectorize with.
+// The instructions the int4 and w8a8 kernels vectorize with in this build: AVX512-VNNI's dot products (64 byte
+// products an instruction), else AVX2's byte multiplies that sum in pairs (32 an instruction, a CPU such as AMD's
+// Zen 3), else a portable loop. `KERNEL_INSTRUCTIONS` names them for `<kernel>_instructions()`.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TFORMER_VNNI 1
-constexpr int VNNI_BUILT = 1;
+constexpr const char* KERNEL_INSTRUCTIONS = "AVX512-VNNI";
+constexpr bool VECTORIZED = true;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TFORMER_AVX2 1
+#include <immintrin.h>
+constexpr const char* KERNEL_INSTRUCTIONS = "AVX2";
+constexpr bool VECTORIZED = true;
 #else
-constexpr int VNNI_BUILT = 0;
+constexpr const char* KERNEL_INSTRUCTIONS = "portable";
+constexpr bool VECTORIZED = false;
+#endif
+
+#ifdef TFORMER_AVX2
+// 8 floats from 8 bfloat16s or floats, and back (rounded as `store` rounds one).
+static inline __m256 load8(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+template <typename T>
+static inline void store8(T* p, __m256 v, int64_t count = 8) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    for (int64_t i = 0; i < count; ++i) store(p + i, lanes[i]);
+}
+static inline float reduce_add8(__m256 v) {
+    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+    return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
+}
+static inline float reduce_max8(__m256 v) {
+    __m128 top = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    top = _mm_max_ps(top, _mm_movehl_ps(top, top));
+    return _mm_cvtss_f32(_mm_max_ss(top, _mm_movehdup_ps(top)));
+}
 #endif
 
 #if defined(__AVX512F__)

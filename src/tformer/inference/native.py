@@ -85,11 +85,12 @@ def _build(name: str, source: str, compiler: str, flags: list[str], library: Pat
 
 def op_library(
     name: str, what: str, switch: str | None = None
-) -> tuple[Callable[[], ctypes.CDLL | None], Callable[[], bool], Callable[[], bool]]:
+) -> tuple[Callable[[], ctypes.CDLL | None], Callable[[], bool], Callable[[], str | None]]:
     """For a kernel that registers torch ops: `kernel()`, the library loaded on first use (None where it cannot be
     built, logged once, or where the environment variable `switch` is "0"); `available()`, whether it loaded, an
-    answer a compiled graph reads once and never traces; `vectorized()`, for a kernel that exports
-    `<name>_vectorized()`, whether it runs its AVX512-VNNI version (else its portable loop)."""
+    answer a compiled graph reads once and never traces; `instructions()`, for a kernel that exports
+    `<name>_instructions()`, the instructions its build vectorizes with ("AVX512-VNNI", "AVX2" or "portable"), or
+    None where it did not load."""
 
     @functools.cache
     def kernel() -> ctypes.CDLL | None:
@@ -101,7 +102,11 @@ def op_library(
     def available() -> bool:
         return kernel() is not None
 
-    def vectorized() -> bool:
-        return available() and bool(getattr(kernel(), f"{name}_vectorized")())
+    def instructions() -> str | None:
+        if not available():
+            return None
+        named = getattr(kernel(), f"{name}_instructions")
+        named.restype = ctypes.c_char_p
+        return named().decode()
 
-    return kernel, available, vectorized
+    return kernel, available, instructions

@@ -190,7 +190,64 @@ static void matmul_vnni(const int8_t* q, const float* row_scales, const int32_t*
 }
 #endif
 
-extern "C" int w8a8_vectorized() { return VNNI_BUILT; }  // 1: the AVX512-VNNI version; 0: portable
+#ifdef TFORMER_AVX2
+// Output rows n0 .. n0 + 15 for R input rows. AVX2 has no byte dot product into 32 bits: each weight byte becomes
+// signed again (q_w = stored - 128), and vpmaddubsw multiplies |q_w| by the activation given q_w's sign, summing
+// pairs into 16 bits (at most 2 * 127 * 127: it never saturates), which vpmaddwd widens to 32. The sum is the
+// signed dot product itself, without the offset the VNNI version subtracts. Each half of the tile's 64-byte group
+// holds 8 output rows x 4 columns.
+template <int R, typename T>
+static inline void tile_rows_avx2(const uint8_t* tile, int64_t padded_k, const int8_t* q, const float* row_scales,
+                                  const float* scales, int64_t N, int64_t n0, T* out) {
+    __m256i acc[2][R];
+    for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_si256();
+    const __m256i flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
+    for (int64_t k4 = 0; k4 < padded_k / 4; ++k4) {
+        const uint8_t* at = tile + k4 * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_AHEAD), _MM_HINT_T0);
+        __m256i signed_weights[2], magnitudes[2];
+        for (int h = 0; h < 2; ++h) {
+            const __m256i stored = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
+            signed_weights[h] = _mm256_xor_si256(stored, flip);
+            magnitudes[h] = _mm256_abs_epi8(signed_weights[h]);
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m256i quad = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(q + r * padded_k)[k4]);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i pairs = _mm256_maddubs_epi16(magnitudes[h], _mm256_sign_epi8(quad, signed_weights[h]));
+                acc[h][r] = _mm256_add_epi32(acc[h][r], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+    }
+    for (int h = 0; h < 2; ++h) {
+        const int64_t n = n0 + 8 * h, count = N - n < 8 ? N - n : 8;
+        if (count <= 0) break;
+        const __m256 column_scales = _mm256_loadu_ps(scales + n);  // the scales are padded to whole tiles
+        for (int r = 0; r < R; ++r) {
+            const __m256 scale = _mm256_mul_ps(column_scales, _mm256_set1_ps(row_scales[r]));
+            store8(out + r * N + n, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[h][r]), scale), count);
+        }
+    }
+}
+
+template <typename T>
+static void matmul_avx2(const int8_t* q, const float* row_scales, int64_t M, int64_t padded_k, const uint8_t* w,
+                        const float* scales, int64_t N, T* out, int threads) {
+    const int64_t tiles = (N + TILE - 1) / TILE;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (tiles > 1)
+    for (int64_t t = 0; t < tiles; ++t) {
+        const uint8_t* tile = w + t * TILE * padded_k;
+        int64_t m = 0;
+        for (; m + ROWS <= M; m += ROWS)
+            tile_rows_avx2<ROWS>(tile, padded_k, q + m * padded_k, row_scales + m, scales, N, t * TILE, out + m * N);
+        for (; m < M; ++m)
+            tile_rows_avx2<1>(tile, padded_k, q + m * padded_k, row_scales + m, scales, N, t * TILE, out + m * N);
+    }
+}
+#endif
+
+extern "C" const char* w8a8_instructions() { return KERNEL_INSTRUCTIONS; }  // "AVX512-VNNI", "AVX2" or "portable"
 
 // The rounded rows of a call: M rows, or 2M with `fine` (row m's two at 2m and 2m + 1), each padded_k bytes, with
 // their scales and offsets; with `fine` also the float products of up to 2 FINE_ROWS rows, which sum in pairs into
@@ -209,6 +266,9 @@ static void multiply(const int8_t* q, const float* row_scales, const int32_t* of
                      bool portable) {
 #ifdef TFORMER_VNNI
     if (!portable) return matmul_vnni(q, row_scales, offsets, rows, padded_k, w, scales, N, out, threads);
+#endif
+#ifdef TFORMER_AVX2
+    if (!portable) return matmul_avx2(q, row_scales, rows, padded_k, w, scales, N, out, threads);
 #endif
     matmul_portable(q, row_scales, offsets, rows, padded_k, w, scales, N, out, threads);
 }

@@ -13,8 +13,10 @@ is cast to: they are held as int32 bits.
 
 Against fbgemm's dynamic int8 matmul with the same per-token rounding (tformer's W8A8 until 2026-12-02; SmolLM2's
 shapes, 2 cores, `benchmarks/w8a8_vs_int_mm.py`): 1.8-2.1x faster at 1 row, where fbgemm spends about 10 us a call
-before any arithmetic, 1.4-1.6x at 32 rows and 1.0-2.1x at 450. Without AVX512-VNNI the same format runs a portable
-loop (exactly the same results); without a C++ compiler, or off the CPU, the layer computes the formula in torch.
+before any arithmetic, 1.4-1.6x at 32 rows and 1.0-2.1x at 450. Without AVX512-VNNI, on AVX2 (AMD's Zen 3), the
+same format runs on `vpmaddubsw` (32 products an instruction, on the weights' magnitudes and the activations with
+the weights' signs), else on a portable loop, all with exactly the same results; without a C++ compiler, or off the
+CPU, the layer computes the formula in torch.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ FINE = 254  # with `fine`, the second rounding's steps per step of the first
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
-# kernel(): the library, which implements `tformer::w8a8_matmul` on the CPU once loaded; available(); vectorized()
+# kernel(): the library, which implements `tformer::w8a8_matmul` on the CPU once loaded; available(); instructions()
 UNAVAILABLE = "the W8A8 kernel is unavailable: W8A8 layers compute their formula in torch"
-kernel, available, vectorized = native.op_library("w8a8", UNAVAILABLE)
+kernel, available, instructions = native.op_library("w8a8", UNAVAILABLE)
 
 
 def per_channel_scales(weight: torch.Tensor) -> torch.Tensor:
