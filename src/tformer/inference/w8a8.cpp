@@ -231,6 +231,57 @@ static inline void tile_rows_avx2(const uint8_t* tile, int64_t padded_k, const i
     }
 }
 
+// Rounds 8 values to int8 as `to_int8` does (a NaN, INT_MIN once converted, becomes -127 as in the VNNI version),
+// stores their bytes at `out` and adds them to `sum`.
+static inline void store_rounded8(__m256 rounded, int8_t* out, __m256i& sum) {
+    __m256i whole = _mm256_cvtps_epi32(rounded);
+    whole = _mm256_max_epi32(_mm256_min_epi32(whole, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+    sum = _mm256_add_epi32(sum, whole);
+    const __m256i words = _mm256_packs_epi32(whole, whole), bytes = _mm256_packs_epi16(words, words);
+    const __m256i gathered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(gathered));
+}
+
+static inline int32_t reduce_add8(__m256i v) {
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xb1)));
+}
+
+// `quantize_row_portable` 8 values at a time, for K a multiple of 8.
+template <typename T>
+static void quantize_row_avx2(const T* x, int64_t K, int64_t padded_k, QuantRow row, const QuantRow* fine) {
+    const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 largest = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        const __m256 v = load8(x + k);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        largest = _mm256_max_ps(largest, _mm256_and_ps(v, magnitude_mask));
+    }
+    const float top = reduce_max8(largest);
+    const bool has_nan = _mm256_movemask_ps(nan) != 0;
+    const __m256 inverse = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+    __m256i sum = _mm256_setzero_si256(), fine_sum = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K; k += 8) {
+        const __m256 scaled = _mm256_mul_ps(load8(x + k), inverse);
+        const __m256 rounded = _mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        store_rounded8(rounded, row.q + k, sum);
+        if (fine) {
+            const __m256 rest = _mm256_mul_ps(_mm256_sub_ps(scaled, rounded), _mm256_set1_ps(FINE));
+            store_rounded8(_mm256_round_ps(rest, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), fine->q + k,
+                           fine_sum);
+        }
+    }
+    std::memset(row.q + K, 0, padded_k - K);
+    *row.scale = has_nan ? NAN : top / 127.f;
+    *row.offset = 128 * reduce_add8(sum);
+    if (fine) {
+        std::memset(fine->q + K, 0, padded_k - K);
+        *fine->scale = has_nan ? NAN : top / (127.f * FINE);
+        *fine->offset = 128 * reduce_add8(fine_sum);
+    }
+}
+
 template <typename T>
 static void matmul_avx2(const int8_t* q, const float* row_scales, int64_t M, int64_t padded_k, const uint8_t* w,
                         const float* scales, int64_t N, T* out, int threads) {
@@ -286,6 +337,12 @@ static void run(const T* x, int64_t M, int64_t K, int64_t padded_k, const uint8_
 #ifdef TFORMER_VNNI
         if (!portable) {
             quantize_row(x + m * K, K, padded_k, row, fine ? &rest : nullptr);
+            continue;
+        }
+#endif
+#ifdef TFORMER_AVX2
+        if (!portable && K % 8 == 0) {
+            quantize_row_avx2(x + m * K, K, padded_k, row, fine ? &rest : nullptr);
             continue;
         }
 #endif
