@@ -48,7 +48,7 @@ def softmax_formula(q, k, v, slots, lengths) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("head_dim", [64, 24], ids=["vectorized", "generic"])  # AVX-512 path needs D % 16 == 0
+@pytest.mark.parametrize("head_dim", [64, 20], ids=["vectorized", "generic"])  # vectorized: D % 16 (AVX2: 8) == 0
 @pytest.mark.parametrize("n_heads, n_kv_heads", [(9, 3), (4, 4), (4, 1)], ids=["gqa", "mha", "mqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_kernel_equals_the_softmax_formula(head_dim: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype) -> None:

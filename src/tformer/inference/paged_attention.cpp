@@ -16,89 +16,133 @@
 
 using torch::stable::Tensor;
 
+// The vector instructions `attend_one` runs on, as a few operations on a register of `WIDTH` floats: AVX-512's 16
+// lanes, else AVX2's 8 (a CPU such as AMD's Zen 3); without either, `attend` keeps its portable loop.
 #if defined(__AVX512F__)
-#define TFORMER_AVX512 1
+#define TFORMER_VECTOR_ATTENTION 1
+struct Lanes {
+    using V = __m512;
+    static constexpr int64_t WIDTH = 16;
+    static V zero() { return _mm512_setzero_ps(); }
+    static V set1(float x) { return _mm512_set1_ps(x); }
+    template <typename T>
+    static V load(const T* p) { return load16(p); }
+    static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
+    static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static V max(V a, V b) { return _mm512_max_ps(a, b); }
+    static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+    static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
+    static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+    static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static V times_power_of_two(V p, V n) { return _mm512_scalef_ps(p, n); }
+};
+#elif defined(TFORMER_AVX2)
+#define TFORMER_VECTOR_ATTENTION 1
+struct Lanes {
+    using V = __m256;
+    static constexpr int64_t WIDTH = 8;
+    static V zero() { return _mm256_setzero_ps(); }
+    static V set1(float x) { return _mm256_set1_ps(x); }
+    template <typename T>
+    static V load(const T* p) { return load8(p); }
+    static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+    static V add(V a, V b) { return _mm256_add_ps(a, b); }
+    static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static V max(V a, V b) { return _mm256_max_ps(a, b); }
+    static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+    static float reduce_add(V v) { return reduce_add8(v); }
+    static float reduce_max(V v) { return reduce_max8(v); }
+    static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static V times_power_of_two(V p, V n) {  // n integral in [-126, 127]: 2^n built in the exponent bits
+        const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    }
+};
+#endif
+
+#ifdef TFORMER_VECTOR_ATTENTION
+using V = Lanes::V;
+constexpr int64_t WIDTH = Lanes::WIDTH;
+
 // e^x for x <= 0: 2^n times a degree-6 polynomial in r = x - n ln2, |r| <= ln2 / 2 (relative error ~2e-7)
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(0.0013888889f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.008333334f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.041666668f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.16666667f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
+static inline V exp_lanes(V x) {
+    x = Lanes::max(x, Lanes::set1(-87.f));
+    const V n = Lanes::round(Lanes::mul(x, Lanes::set1(1.44269504f)));
+    V r = Lanes::fnmadd(n, Lanes::set1(0.693145751953125f), x);
+    r = Lanes::fnmadd(n, Lanes::set1(1.428606765330187e-06f), r);
+    V p = Lanes::set1(0.0013888889f);
+    for (const float c : {0.008333334f, 0.041666668f, 0.16666667f, 0.5f, 1.f, 1.f})
+        p = Lanes::fmadd(p, r, Lanes::set1(c));
+    return Lanes::times_power_of_two(p, n);
 }
 
-constexpr int64_t MAX_CHUNKS = 16;  // head_dim up to 256
-constexpr int64_t MAX_REP = 16;     // query heads per KV head
-// Keys ahead to prefetch. 32 rows x ~130 keys of SmolLM2 in bf16, 30 layers' caches in DRAM (2 cores, 2026-12-02):
-// 428-456 us a layer without prefetching, 308-322 at 8 keys ahead, 278-284 at 16, 247-252 at 32.
+constexpr int64_t MAX_CHUNKS = 256 / WIDTH;  // head_dim up to 256
+constexpr int64_t MAX_REP = 16;              // query heads per KV head
+// Keys ahead to prefetch. 32 rows x ~130 keys of SmolLM2 in bf16, 30 layers' caches in DRAM (2 cores, AVX-512,
+// 2026-12-02): 428-456 us a layer without prefetching, 308-322 at 8 keys ahead, 278-284 at 16, 247-252 at 32.
 constexpr int64_t PREFETCH_AHEAD = 32;
 
-// One (row, KV head): scores, softmax and the weighted sum of values, 16 lanes at a time. D % 16 == 0.
+static inline void prefetch_row(const void* row, int64_t bytes) {
+    for (int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(static_cast<const char*>(row) + byte, _MM_HINT_T0);
+}
+
+// One (row, KV head): scores, softmax and the weighted sum of values, WIDTH lanes at a time. D % WIDTH == 0.
 template <typename T>
 static void attend_one(const T* q, const T* k, const T* v, const int64_t* row_slots, int64_t n, int64_t Hkv,
                        int64_t g, int64_t rep, int64_t D, int64_t max_keys, float scale, float* scores, T* out) {
-    const int64_t chunks = D / 16;
-    __m512 query[MAX_REP * MAX_CHUNKS], acc[MAX_REP * MAX_CHUNKS], row[MAX_CHUNKS];
-    const __m512 scale16 = _mm512_set1_ps(scale);
+    const int64_t chunks = D / WIDTH, row_bytes = D * int64_t(sizeof(T));
+    V query[MAX_REP * MAX_CHUNKS], acc[MAX_REP * MAX_CHUNKS], row[MAX_CHUNKS];
     for (int64_t i = 0; i < rep * chunks; ++i) {
-        query[i] = _mm512_mul_ps(load16(q + i * 16), scale16);
-        acc[i] = _mm512_setzero_ps();
+        query[i] = Lanes::mul(Lanes::load(q + i * WIDTH), Lanes::set1(scale));
+        acc[i] = Lanes::zero();
     }
     for (int64_t t = 0; t < n; ++t) {
         const T* key = k + (row_slots[t] * Hkv + g) * D;
-        if (t + PREFETCH_AHEAD < n) {  // the cache is larger than the CPU's caches: ask for keys in time
-            const char* ahead = reinterpret_cast<const char*>(k + (row_slots[t + PREFETCH_AHEAD] * Hkv + g) * D);
-            for (int64_t byte = 0; byte < D * int64_t(sizeof(T)); byte += 64) _mm_prefetch(ahead + byte, _MM_HINT_T0);
-        }
-        for (int64_t c = 0; c < chunks; ++c) row[c] = load16(key + c * 16);
+        // the cache is larger than the CPU's caches: ask for keys in time
+        if (t + PREFETCH_AHEAD < n) prefetch_row(k + (row_slots[t + PREFETCH_AHEAD] * Hkv + g) * D, row_bytes);
+        for (int64_t c = 0; c < chunks; ++c) row[c] = Lanes::load(key + c * WIDTH);
         for (int64_t r = 0; r < rep; ++r) {
-            __m512 dot = _mm512_mul_ps(query[r * chunks], row[0]);
-            for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(query[r * chunks + c], row[c], dot);
-            scores[r * max_keys + t] = _mm512_reduce_add_ps(dot);
+            V dot = Lanes::mul(query[r * chunks], row[0]);
+            for (int64_t c = 1; c < chunks; ++c) dot = Lanes::fmadd(query[r * chunks + c], row[c], dot);
+            scores[r * max_keys + t] = Lanes::reduce_add(dot);
         }
     }
+    const int64_t whole = n - n % WIDTH;  // scores past it take the scalar tail
     for (int64_t r = 0; r < rep; ++r) {
         float* sr = scores + r * max_keys;
-        __m512 top16 = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < n; t += 16) {
-            const __mmask16 m = n - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - t)) - 1);
-            top16 = _mm512_mask_max_ps(top16, m, top16, _mm512_maskz_loadu_ps(m, sr + t));
+        V top_lanes = Lanes::set1(-INFINITY);
+        for (int64_t t = 0; t < whole; t += WIDTH) top_lanes = Lanes::max(top_lanes, Lanes::load(sr + t));
+        float top = Lanes::reduce_max(top_lanes);
+        for (int64_t t = whole; t < n; ++t) top = std::fmax(top, sr[t]);
+        V total_lanes = Lanes::zero();
+        for (int64_t t = 0; t < whole; t += WIDTH) {
+            const V e = exp_lanes(Lanes::sub(Lanes::load(sr + t), Lanes::set1(top)));
+            Lanes::store(sr + t, e);
+            total_lanes = Lanes::add(total_lanes, e);
         }
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(top16));
-        __m512 total16 = _mm512_setzero_ps();
-        for (int64_t t = 0; t < n; t += 16) {
-            const __mmask16 m = n - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - t)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sr + t), top)));
-            _mm512_mask_storeu_ps(sr + t, m, e);
-            total16 = _mm512_add_ps(total16, e);
-        }
-        const float inverse = 1.f / _mm512_reduce_add_ps(total16);
+        float total = Lanes::reduce_add(total_lanes);
+        for (int64_t t = whole; t < n; ++t) total += (sr[t] = std::exp(sr[t] - top));
+        const float inverse = 1.f / total;
         for (int64_t t = 0; t < n; ++t) sr[t] *= inverse;
     }
     for (int64_t t = 0; t < n; ++t) {
         const T* value = v + (row_slots[t] * Hkv + g) * D;
-        if (t + PREFETCH_AHEAD < n) {
-            const char* ahead = reinterpret_cast<const char*>(v + (row_slots[t + PREFETCH_AHEAD] * Hkv + g) * D);
-            for (int64_t byte = 0; byte < D * int64_t(sizeof(T)); byte += 64) _mm_prefetch(ahead + byte, _MM_HINT_T0);
-        }
-        for (int64_t c = 0; c < chunks; ++c) row[c] = load16(value + c * 16);
+        if (t + PREFETCH_AHEAD < n) prefetch_row(v + (row_slots[t + PREFETCH_AHEAD] * Hkv + g) * D, row_bytes);
+        for (int64_t c = 0; c < chunks; ++c) row[c] = Lanes::load(value + c * WIDTH);
         for (int64_t r = 0; r < rep; ++r) {
-            const __m512 w = _mm512_set1_ps(scores[r * max_keys + t]);
-            for (int64_t c = 0; c < chunks; ++c) acc[r * chunks + c] = _mm512_fmadd_ps(w, row[c], acc[r * chunks + c]);
+            const V w = Lanes::set1(scores[r * max_keys + t]);
+            for (int64_t c = 0; c < chunks; ++c) acc[r * chunks + c] = Lanes::fmadd(w, row[c], acc[r * chunks + c]);
         }
     }
-    alignas(64) float lanes[16];
+    alignas(64) float lanes[WIDTH];
     for (int64_t i = 0; i < rep * chunks; ++i) {
-        _mm512_store_ps(lanes, acc[i]);
-        for (int j = 0; j < 16; ++j) store(out + i * 16 + j, lanes[j]);
+        Lanes::store(lanes, acc[i]);
+        for (int64_t j = 0; j < WIDTH; ++j) store(out + i * WIDTH + j, lanes[j]);
     }
 }
 #endif
@@ -125,8 +169,8 @@ static int attend(const T* q, const T* k, const T* v, const int64_t* slots, cons
                 int64_t n = lengths[b] < max_keys ? lengths[b] : max_keys;
                 const int64_t* row_slots = slots + b * max_keys;
                 const T* row_q = q + (b * H + g * rep) * D;
-#ifdef TFORMER_AVX512
-                if (D % 16 == 0 && D <= 16 * MAX_CHUNKS && rep <= MAX_REP && n > 0) {
+#ifdef TFORMER_VECTOR_ATTENTION
+                if (D % WIDTH == 0 && D <= WIDTH * MAX_CHUNKS && rep <= MAX_REP && n > 0) {
                     attend_one(row_q, k, v, row_slots, n, Hkv, g, rep, D, max_keys, scale, scores.data(),
                                out + (b * H + g * rep) * D);
                     continue;

@@ -7,12 +7,13 @@ of a decode step: for 32 rows of SmolLM2-135M (W8A8 + compile, 2026-12-02) the f
 
 `paged_decode_attention` computes softmax(q K^T / sqrt(D)) V for one query per row: each (row, KV head) pair walks
 the row's own keys through its slot table once, scores the query heads that share the KV head (GQA) against each key,
-takes the softmax in fp32 and sums the values, with no padding and no copy. It is a small C++ kernel, compiled with
-the machine's C++ compiler on first use (3.4 s on a 2-core Xeon; `native.load`), parallel over rows and KV heads
-with torch's own OpenMP runtime. It registers a torch op through torch's stable C ABI, so a compiled decode step
-calls it like any kernel; a call at batch 1 costs 15-17 us, against 26 us through the Python implementation over
-ctypes it had before (2-core Xeon, 2026-12-02). Without a working compiler `kernel()` is None and the engine keeps
-the gather path.
+takes the softmax in fp32 and sums the values, with no padding and no copy, 16 floats at a time on AVX-512 and 8 on
+AVX2 (a portable loop elsewhere, or where the head size is not a multiple of that). It is a small C++ kernel,
+compiled with the machine's C++ compiler on first use (3.4 s on a 2-core Xeon; `native.load`), parallel over rows
+and KV heads with torch's own OpenMP runtime. It registers a torch op through torch's stable C ABI, so a compiled
+decode step calls it like any kernel; a call at batch 1 costs 15-17 us, against 26 us through the Python
+implementation over ctypes it had before (2-core Xeon, 2026-12-02). Without a working compiler `kernel()` is None
+and the engine keeps the gather path.
 """
 
 from __future__ import annotations
