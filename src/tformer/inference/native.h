@@ -66,6 +66,12 @@ static inline float reduce_add8(__m256 v) {
     sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
     return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
 }
+static inline int32_t reduce_add8(__m256i v) {
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xb1)));
+}
+
 static inline float reduce_max8(__m256 v) {
     __m128 top = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     top = _mm_max_ps(top, _mm_movehl_ps(top, top));

@@ -242,12 +242,6 @@ static inline void store_rounded8(__m256 rounded, int8_t* out, __m256i& sum) {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(gathered));
 }
 
-static inline int32_t reduce_add8(__m256i v) {
-    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xb1)));
-}
-
 // `quantize_row_portable` 8 values at a time, for K a multiple of 8.
 template <typename T>
 static void quantize_row_avx2(const T* x, int64_t K, int64_t padded_k, QuantRow row, const QuantRow* fine) {
