@@ -167,6 +167,35 @@ static void matmul_vnni(const T* x, int64_t M, int64_t K, const uint8_t* w, int6
 #endif
 
 #ifdef TFORMER_AVX2
+// Each block of 32 activations as the portable loop rounds it, 8 at a time (the block's sum in another order).
+template <typename T>
+static void quantize_blocks_avx2(const T* x, int64_t count, int8_t* q, float* d, float* sums, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (count > 512)
+    for (int64_t i = 0; i < count; ++i) {
+        __m256 v[4], magnitude = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        for (int j = 0; j < 4; ++j) {
+            v[j] = load8(x + i * BLOCK + 8 * j);
+            magnitude = _mm256_max_ps(magnitude, _mm256_andnot_ps(sign, v[j]));
+            total = _mm256_add_ps(total, v[j]);
+        }
+        const float largest = reduce_max8(magnitude);
+        const __m256 inverse = _mm256_set1_ps(largest > 0.f ? 127.f / largest : 0.f);
+        __m256i coarse[4], fine[4];
+        for (int j = 0; j < 4; ++j) {
+            const __m256 scaled = _mm256_mul_ps(v[j], inverse);
+            const __m256 rounded = _mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            coarse[j] = _mm256_cvtps_epi32(rounded);
+            fine[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(scaled, rounded), _mm256_set1_ps(FINE)));
+        }
+        int8_t* out = q + 2 * i * BLOCK;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), pack_int8(coarse));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + BLOCK), pack_int8(fine));
+        d[i] = largest / (127.f * FINE);
+        sums[i] = reduce_add8(total);  // a NaN anywhere in the block reaches the output
+    }
+}
+
 // Output rows t*16 .. t*16+15 for R input rows, one half of 8 rows at a time. vpmaddubsw multiplies the unsigned
 // 4-bit weights by the activations and sums pairs into 16 bits: a block's 8 such sums stay below 8 * 2 * 15 * 127
 // = 30,480, so they add in 16 bits before vpmaddwd widens them once a block.
@@ -207,13 +236,57 @@ static inline void half_rows_avx2(const uint8_t* w_tile, int64_t blocks, int h, 
     for (int r = 0; r < R; ++r) store8(out + r * N + 8 * h, acc[r]);
 }
 
+// Output rows t*16 .. t*16+15 for one input row: both halves in one pass over the chunk, so each activation
+// broadcast feeds two multiplies and the two accumulators are independent. `vpmaddwd` by 254 folds the coarse
+// sums into the fine ones without a 32-bit multiply (at most 2 * 30,480 * 254, inside int32).
+template <typename T>
+static inline void tile_row_avx2(const uint8_t* w_tile, int64_t blocks, const int8_t* q, const float* d,
+                                 const float* sums, T* out) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m256i low_half = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i fine_weight = _mm256_set1_epi16(int16_t(FINE));
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* chunk = w_tile + b * CHUNK;
+        const int32_t* quads = reinterpret_cast<const int32_t*>(q + 2 * b * BLOCK);
+        __m256i coarse[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        __m256i fine[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int j = 0; j < 4; ++j) {
+            const __m256i coarse_low = _mm256_set1_epi32(quads[j]), coarse_high = _mm256_set1_epi32(quads[4 + j]);
+            const __m256i fine_low = _mm256_set1_epi32(quads[8 + j]), fine_high = _mm256_set1_epi32(quads[12 + j]);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64 * j + 32 * h));
+                const __m256i low = _mm256_and_si256(bytes, low_half);
+                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_half);
+                coarse[h] = _mm256_add_epi16(coarse[h], _mm256_maddubs_epi16(low, coarse_low));
+                coarse[h] = _mm256_add_epi16(coarse[h], _mm256_maddubs_epi16(high, coarse_high));
+                fine[h] = _mm256_add_epi16(fine[h], _mm256_maddubs_epi16(low, fine_low));
+                fine[h] = _mm256_add_epi16(fine[h], _mm256_maddubs_epi16(high, fine_high));
+            }
+        }
+        const __m256 block_scale = _mm256_set1_ps(d[b]), block_sum = _mm256_set1_ps(sums[b]);
+        for (int h = 0; h < 2; ++h) {
+            const auto halves = reinterpret_cast<const __m128i*>(chunk + 256 + 16 * h);
+            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(coarse[h], fine_weight),
+                                                 _mm256_madd_epi16(fine[h], ones));
+            const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(halves)), block_scale);
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[h]);
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(halves + 2)), block_sum, acc[h]);
+        }
+    }
+    store8(out, acc[0]);
+    store8(out + 8, acc[1]);
+}
+
 template <typename T>
 static void matmul_avx2(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, T* out, int threads,
                         int8_t* q, float* d, float* sums) {
     const int64_t blocks = K / BLOCK, tiles = N / TILE;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (M * blocks > 512)
-    for (int64_t i = 0; i < M * blocks; ++i)
-        quantize_block_portable(x + i * BLOCK, q + 2 * i * BLOCK, d + i, sums + i);
+    quantize_blocks_avx2(x, M * blocks, q, d, sums, threads);
+    if (M == 1) {
+        #pragma omp parallel for num_threads(threads) schedule(static) if (tiles > 4)
+        for (int64_t t = 0; t < tiles; ++t) tile_row_avx2(w + t * blocks * CHUNK, blocks, q, d, sums, out + t * TILE);
+        return;
+    }
     #pragma omp parallel for num_threads(threads) schedule(static) if (tiles * M > 4)
     for (int64_t t = 0; t < 2 * tiles; ++t) {  // half tiles: 8 output rows each
         const uint8_t* w_tile = w + (t / 2) * blocks * CHUNK;

@@ -72,6 +72,12 @@ static inline int32_t reduce_add8(__m256i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xb1)));
 }
 
+// 32 int32 values in [-127, 127] (4 vectors of 8) as 32 bytes in order (NaN's integer saturates to -128).
+static inline __m256i pack_int8(const __m256i* v) {
+    const __m256i words = _mm256_packs_epi32(v[0], v[1]), more = _mm256_packs_epi32(v[2], v[3]);
+    // the packs work per 128-bit lane, leaving groups of 4 values in the order 0 2 4 6 1 3 5 7 (of 8 groups)
+    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, more), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
 static inline float reduce_max8(__m256 v) {
     __m128 top = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     top = _mm_max_ps(top, _mm_movehl_ps(top, top));
