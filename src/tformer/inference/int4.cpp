@@ -236,6 +236,10 @@ static inline void half_rows_avx2(const uint8_t* w_tile, int64_t blocks, int h, 
     for (int r = 0; r < R; ++r) store8(out + r * N + 8 * h, acc[r]);
 }
 
+// Keeps a running sum where it is: without it GCC reorders the 16-bit adds into a tree, which holds all 32
+// products of a block at once and spills half of them to the stack.
+static inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
+
 // Output rows t*16 .. t*16+15 for one input row: both halves in one pass over the chunk, so each activation
 // broadcast feeds two multiplies and the two accumulators are independent. `vpmaddwd` by 254 folds the coarse
 // sums into the fine ones without a 32-bit multiply (at most 2 * 30,480 * 254, inside int32).
@@ -261,6 +265,8 @@ static inline void tile_row_avx2(const uint8_t* w_tile, int64_t blocks, const in
                 coarse[h] = _mm256_add_epi16(coarse[h], _mm256_maddubs_epi16(high, coarse_high));
                 fine[h] = _mm256_add_epi16(fine[h], _mm256_maddubs_epi16(low, fine_low));
                 fine[h] = _mm256_add_epi16(fine[h], _mm256_maddubs_epi16(high, fine_high));
+                in_register(coarse[h]);
+                in_register(fine[h]);
             }
         }
         const __m256 block_scale = _mm256_set1_ps(d[b]), block_sum = _mm256_set1_ps(sums[b]);
