@@ -316,13 +316,10 @@ template <typename T>
 static int matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, T* out, int threads, bool portable) {
     const int64_t count = M * (K / BLOCK);
     if (count == 0) return 0;  // no rows (or no columns): nothing to compute
-    int8_t* q = static_cast<int8_t*>(std::malloc(2 * M * K));
-    float* scales = static_cast<float*>(std::malloc(2 * count * sizeof(float)));
-    if (q == nullptr || scales == nullptr) {
-        std::free(q);
-        std::free(scales);
-        return -1;
-    }
+    const int64_t q_bytes = ((2 * M * K + 63) / 64) * 64;
+    int8_t* q = static_cast<int8_t*>(thread_scratch(q_bytes + 2 * count * sizeof(float)));
+    if (q == nullptr) return -1;
+    float* scales = reinterpret_cast<float*>(q + q_bytes);
 #ifdef TFORMER_VNNI
     if (!portable) matmul_vnni(x, M, K, w, N, out, threads, q, scales, scales + count);
 #endif
@@ -330,8 +327,6 @@ static int matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
     if (!portable) matmul_avx2(x, M, K, w, N, out, threads, q, scales, scales + count);
 #endif
     if (portable || !VECTORIZED) matmul_portable(x, M, K, w, N, out, threads, q, scales, scales + count);
-    std::free(q);
-    std::free(scales);
     return 0;
 }
 
