@@ -317,7 +317,8 @@ static int matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
     const int64_t count = M * (K / BLOCK);
     if (count == 0) return 0;  // no rows (or no columns): nothing to compute
     const int64_t q_bytes = ((2 * M * K + 63) / 64) * 64;
-    int8_t* q = static_cast<int8_t*>(thread_scratch(q_bytes + 2 * count * sizeof(float)));
+    const ScratchMemory scratch(q_bytes + 2 * count * sizeof(float));
+    int8_t* q = static_cast<int8_t*>(scratch.data());
     if (q == nullptr) return -1;
     float* scales = reinterpret_cast<float*>(q + q_bytes);
 #ifdef TFORMER_VNNI

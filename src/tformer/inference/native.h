@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <vector>
 
@@ -33,20 +34,36 @@ static inline int8_t remainder_int8(float scaled, float rounded) {
     return to_int8(std::nearbyint((scaled - rounded) * FINE));
 }
 
-// Scratch memory for one call, owned by the calling thread and reused by its next calls (grown, never shrunk);
-// nullptr when it cannot grow. A malloc of a kilobyte or more per call sent glibc through malloc_consolidate every
-// time, and SmolLM2's W8A8 head (393 KB at one row) through mmap and fresh pages (2026-12-03, perf).
-static inline void* thread_scratch(size_t bytes) {
-    thread_local std::vector<char> buffer;
-    if (buffer.size() < bytes) {
-        try {
-            buffer.resize(bytes);
-        } catch (const std::bad_alloc&) {
-            return nullptr;
+// Scratch memory for one call. Up to KEPT_SCRATCH_BYTES it is the calling thread's own buffer, grown as needed and
+// reused by its next calls: a malloc of a kilobyte or more per call sent glibc through malloc_consolidate every time,
+// and SmolLM2's W8A8 head (393 KB at one row, 12.6 MB at 32) through mmap and fresh pages (2026-12-03, perf).
+// Larger requests (a long prompt's prefill) get memory of their own, freed with the object. `data()` is nullptr
+// when the memory cannot be had.
+constexpr size_t KEPT_SCRATCH_BYTES = size_t(16) << 20;
+class ScratchMemory {
+  public:
+    explicit ScratchMemory(size_t bytes) {
+        if (bytes > KEPT_SCRATCH_BYTES) {
+            own_.reset(new (std::nothrow) char[bytes]);
+            data_ = own_.get();
+            return;
         }
+        thread_local std::vector<char> kept;
+        if (kept.size() < bytes) {
+            try {
+                kept.resize(bytes);
+            } catch (const std::bad_alloc&) {
+                return;
+            }
+        }
+        data_ = kept.data();
     }
-    return buffer.data();
-}
+    void* data() const { return data_; }
+
+  private:
+    std::unique_ptr<char[]> own_;
+    void* data_ = nullptr;
+};
 
 // The instructions the int4 and w8a8 kernels vectorize with in this build: AVX512-VNNI's dot products (64 byte
 // products an instruction), else AVX2's byte multiplies that sum in pairs (32 an instruction, a CPU such as AMD's

@@ -378,7 +378,8 @@ static Tensor w8a8_matmul_op(Tensor x, Tensor packed, Tensor scales, int64_t out
     const int64_t rows = fine ? 2 * M : M, q_bytes = ((rows * padded_k + 63) / 64) * 64;
     const int64_t partial_rows = fine ? 2 * (M < FINE_ROWS ? M : FINE_ROWS) : 0;
     const int64_t bytes = q_bytes + 8 * rows + partial_rows * N * int64_t(sizeof(float));
-    int8_t* q = static_cast<int8_t*>(thread_scratch(bytes));
+    const ScratchMemory memory(bytes);
+    int8_t* q = static_cast<int8_t*>(memory.data());
     if (q == nullptr) throw std::runtime_error("w8a8_matmul: no memory for the quantized activations");
     float* row_scales = reinterpret_cast<float*>(q + q_bytes);
     int32_t* offsets = reinterpret_cast<int32_t*>(row_scales + rows);
