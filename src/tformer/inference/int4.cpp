@@ -3,7 +3,6 @@
 // torch's stable C ABI, which registers the op below.
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 #include <stdexcept>

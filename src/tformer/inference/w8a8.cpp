@@ -3,7 +3,6 @@
 // -march=native -fopenmp), against torch's stable C ABI, which registers the op at the end.
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
