@@ -129,10 +129,13 @@ def test_compiled_decode_steps_give_the_uncached_tokens(preset: str) -> None:
 
     engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=32, compile=True))
     frames_before, breaks_before = counters["frames"]["ok"], sum(counters["graph_break"].values())
+    graphs_before = counters["stats"]["unique_graphs"]
     alone = engine.generate([prompts[0]], params)[0].token_ids  # batch size 1
     together = [r.token_ids for r in engine.generate(prompts, params)]
     assert counters["frames"]["ok"] > frames_before  # dynamo did compile frames of the decoder
     assert sum(counters["graph_break"].values()) == breaks_before  # one whole graph: no value read back
+    # one graph for batch 1 and one for larger batches: nothing that changes from step to step is specialized on
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2
     if preset == "tiny-llama":
         expected = [reference_greedy(model, p, 8) for p in prompts]
     else:

@@ -88,6 +88,12 @@ DECODE_COMPILE_OPTIONS = {
     "cpp_wrapper": True,
 }
 
+# Under `dynamic=True` Dynamo also makes every Python float it meets a graph input: SmolLM2's step took its 61 norm
+# epsilons and two scales as 0-dim tensors, built by the pre-graph code on every call (314 graph inputs; 251 without
+# them). A served model's floats never change, so the step specializes on them; the patch costs ~8 us a call and
+# matters only when Dynamo traces. Batch-1 INT4 on a Zen 3, alternating processes: see docs/engine.md.
+_FLOATS_AS_CONSTANTS = torch._dynamo.config.patch(specialize_float=True)
+
 
 def _decode_step(stack: nn.Module, tokens: torch.Tensor, inputs: StackInputs, **kwargs: object) -> torch.Tensor:
     return stack(tokens, inputs, **kwargs)
@@ -117,10 +123,13 @@ class CompiledDecode:
         self.compiled = compiled_decode_step(stack) if compile else None
 
     def __call__(self, tokens: torch.Tensor, inputs: StackInputs, **kwargs: object) -> torch.Tensor:
-        if self.compiled is None or tokens.shape[1] != 1:
+        # A step over one key (an encoder-decoder's first decoder token) runs eager: Dynamo specializes sizes of 1,
+        # so it would compile a graph of its own for each batch size just for that step.
+        if self.compiled is None or tokens.shape[1] != 1 or inputs.n_keys == 1:
             return self.stack(tokens, inputs, **kwargs)
         try:
-            return self.compiled(self.stack, tokens, inputs, **kwargs)
+            with _FLOATS_AS_CONSTANTS:
+                return self.compiled(self.stack, tokens, inputs, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as err:
             raise RuntimeError(
                 f"compiling the decode step failed ({type(err.inner_exception).__name__}: {err.inner_exception}); "
