@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tformer.inference.paged_attention import paged_decode_attention, supports
+from tformer.layers.kv_cache import zeroed
 from tformer.models import TransformerModel
 
 FREED = -1  # a block table entry whose block went back to the pool (it fell out of the sliding window)
@@ -250,8 +251,8 @@ class PagedKVCache:
         shape = (num_blocks * block_size, n_kv_heads, head_dim)
         self.block_size = block_size
         self.window = window  # a sliding window: each row reads only the keys its queries can see
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k = [zeroed(shape, dtype, device) for _ in range(n_layers)]
+        self.v = [zeroed(shape, dtype, device) for _ in range(n_layers)]
 
     @property
     def nbytes(self) -> int:
