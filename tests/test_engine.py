@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -338,7 +339,7 @@ def test_copy_on_write_copies_the_block_contents() -> None:
 
 
 def resident_bytes() -> int:
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_a_kv_pool_is_zeros_and_takes_memory_only_where_written() -> None:
