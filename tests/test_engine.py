@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import make_model, tiny_config
@@ -338,19 +335,16 @@ def test_copy_on_write_copies_the_block_contents() -> None:
         torch.testing.assert_close(layer[4:6], layer[0:2], rtol=0, atol=0)
 
 
-def resident_bytes() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_a_kv_pool_is_zeros_and_takes_memory_only_where_written() -> None:
     """The pool's pages come from the OS as zeros and are backed when written (layers.kv_cache.zeroed): a 512 MiB
     pool neither takes 512 MiB nor the time to clear it, and what is written reads back beside zeros."""
     from tformer.inference.paged import PagedKVCache
+    from tformer.training.memory import rss_bytes
 
-    before = resident_bytes()
+    before = rss_bytes()
     kv = PagedKVCache(n_layers=4, num_blocks=4096, block_size=16, n_kv_heads=4, head_dim=64, dtype=torch.float32)
     assert kv.nbytes == 512 << 20
-    assert resident_bytes() - before < 64 << 20
+    assert rss_bytes() - before < 64 << 20
     written = torch.randn(32, 4, 64)
     for layer in kv.k + kv.v:
         layer[1000:1032] = written
