@@ -48,11 +48,18 @@ def softmax_formula(q, k, v, slots, lengths) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("head_dim", [64, 20], ids=["vectorized", "generic"])  # vectorized: D % 16 (AVX2: 8) == 0
+# vectorized: D % 16 (AVX2: 8) == 0, its loops unrolled for 64 and 128; generic: the portable loop
+@pytest.mark.parametrize(
+    "head_dim", [64, 128, 48, 20], ids=["vectorized", "vectorized-128", "vectorized-48", "generic"]
+)
 @pytest.mark.parametrize("n_heads, n_kv_heads", [(9, 3), (4, 4), (4, 1)], ids=["gqa", "mha", "mqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_kernel_equals_the_softmax_formula(head_dim: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype) -> None:
-    case = paged_case(6, n_heads, n_kv_heads, head_dim, dtype)
+# the kernel's tasks: one (row, KV head) each under 4 rows a thread, else one row's KV heads together
+@pytest.mark.parametrize("many_rows", [False, True], ids=["few-rows", "many-rows"])
+def test_kernel_equals_the_softmax_formula(
+    head_dim: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype, many_rows: bool
+) -> None:
+    case = paged_case(4 * torch.get_num_threads() + 2 if many_rows else 3, n_heads, n_kv_heads, head_dim, dtype)
     out = paged_decode_attention(*case)
     assert out.dtype == dtype and out.shape == case[0].shape
     tolerance = 1e-5 if dtype == torch.float32 else BF16_MARGIN

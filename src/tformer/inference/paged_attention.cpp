@@ -1,12 +1,12 @@
 // Decode attention over a paged KV cache, reading each row's keys and values where they lie: see paged_attention.py.
 // Built by tformer.inference.native.load with the machine's C++ compiler (-O3 -march=native -fopenmp), against
 // torch's stable C ABI, which registers the op at the end.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -15,6 +15,14 @@
 #include "native.h"
 
 using torch::stable::Tensor;
+
+#if defined(__AVX512F__) || defined(TFORMER_AVX2)
+// out[0 .. 3]: the sums of a, b, c and d's 8 lanes. Each pair of horizontal adds halves the lanes per 128-bit half.
+static inline void sum4_halves(__m256 a, __m256 b, __m256 c, __m256 d, float* out) {
+    const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)));
+}
+#endif
 
 // The vector instructions `attend_one` runs on, as a few operations on a register of `WIDTH` floats: AVX-512's 16
 // lanes, else AVX2's 8 (a CPU such as AMD's Zen 3); without either, `attend` keeps its portable loop.
@@ -38,6 +46,13 @@ struct Lanes {
     static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
     static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
     static V times_power_of_two(V p, V n) { return _mm512_scalef_ps(p, n); }
+    static void sum4(V a, V b, V c, V d, float* out) {  // out[0 .. 3]: the lane sums of a, b, c and d
+        const auto half = [](V x) {
+            const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+            return _mm256_add_ps(_mm512_castps512_ps256(x), high);
+        };
+        sum4_halves(half(a), half(b), half(c), half(d), out);
+    }
 };
 #elif defined(TFORMER_AVX2)
 #define TFORMER_VECTOR_ATTENTION 1
@@ -62,6 +77,7 @@ struct Lanes {
         const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
         return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
     }
+    static void sum4(V a, V b, V c, V d, float* out) { sum4_halves(a, b, c, d, out); }
 };
 #endif
 
@@ -82,73 +98,167 @@ static inline V exp_lanes(V x) {
 }
 
 constexpr int64_t MAX_CHUNKS = 256 / WIDTH;  // head_dim up to 256
-constexpr int64_t MAX_REP = 16;              // query heads per KV head
+constexpr int64_t KEYS_AT_ONCE = 4;          // keys scored together, their 4 dot products summed in one pass
+constexpr int64_t TILE_KEYS = 32;            // keys converted at a time: SmolLM2's 3 KV heads of 64 floats, 24 KB
 // Keys ahead to prefetch. 32 rows x ~130 keys of SmolLM2 in bf16, 30 layers' caches in DRAM (2 cores, AVX-512,
 // 2026-12-02): 428-456 us a layer without prefetching, 308-322 at 8 keys ahead, 278-284 at 16, 247-252 at 32.
-constexpr int64_t PREFETCH_AHEAD = 32;
+constexpr int64_t PREFETCH_AHEAD = 128;
 
 static inline void prefetch_row(const void* row, int64_t bytes) {
     for (int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(static_cast<const char*>(row) + byte, _MM_HINT_T0);
 }
 
-// One (row, KV head): scores, softmax and the weighted sum of values, WIDTH lanes at a time. D % WIDTH == 0.
+// KV heads g0 .. g0 + heads - 1 of the cache's rows 0 .. m-1 (of n), copied as floats into `tile` (heads x m x D):
+// each slot's heads are read together (side by side in the cache), and every query head sharing a KV head then
+// reads one contiguous, converted copy that stays in the L1 cache.
 template <typename T>
-static void attend_one(const T* q, const T* k, const T* v, const int64_t* row_slots, int64_t n, int64_t Hkv,
-                       int64_t g, int64_t rep, int64_t D, int64_t max_keys, float scale, float* scores, T* out) {
-    const int64_t chunks = D / WIDTH, row_bytes = D * int64_t(sizeof(T));
-    V query[MAX_REP * MAX_CHUNKS], acc[MAX_REP * MAX_CHUNKS], row[MAX_CHUNKS];
-    for (int64_t i = 0; i < rep * chunks; ++i) {
-        query[i] = Lanes::mul(Lanes::load(q + i * WIDTH), Lanes::set1(scale));
-        acc[i] = Lanes::zero();
-    }
-    for (int64_t t = 0; t < n; ++t) {
-        const T* key = k + (row_slots[t] * Hkv + g) * D;
-        // the cache is larger than the CPU's caches: ask for keys in time
-        if (t + PREFETCH_AHEAD < n) prefetch_row(k + (row_slots[t + PREFETCH_AHEAD] * Hkv + g) * D, row_bytes);
-        for (int64_t c = 0; c < chunks; ++c) row[c] = Lanes::load(key + c * WIDTH);
-        for (int64_t r = 0; r < rep; ++r) {
-            V dot = Lanes::mul(query[r * chunks], row[0]);
-            for (int64_t c = 1; c < chunks; ++c) dot = Lanes::fmadd(query[r * chunks + c], row[c], dot);
-            scores[r * max_keys + t] = Lanes::reduce_add(dot);
+static void gather_tile(const T* cache, const int64_t* row_slots, int64_t m, int64_t n, int64_t Hkv, int64_t g0,
+                        int64_t heads, int64_t D, float* tile) {
+    const int64_t row_bytes = heads * D * int64_t(sizeof(T));
+    for (int64_t t = 0; t < m; ++t) {
+        const T* row = cache + (row_slots[t] * Hkv + g0) * D;
+        // the cache is larger than the CPU's caches: ask for rows in time
+        if (t + PREFETCH_AHEAD < n) prefetch_row(cache + (row_slots[t + PREFETCH_AHEAD] * Hkv + g0) * D, row_bytes);
+        for (int64_t h = 0; h < heads; ++h) {
+            for (int64_t c = 0; c < D; c += WIDTH) Lanes::store(tile + (h * m + t) * D + c, Lanes::load(row + h * D + c));
         }
     }
+}
+
+// scores[0 .. n-1] = their softmax, in place
+static void softmax_in_place(float* scores, int64_t n) {
     const int64_t whole = n - n % WIDTH;  // scores past it take the scalar tail
-    for (int64_t r = 0; r < rep; ++r) {
-        float* sr = scores + r * max_keys;
-        V top_lanes = Lanes::set1(-INFINITY);
-        for (int64_t t = 0; t < whole; t += WIDTH) top_lanes = Lanes::max(top_lanes, Lanes::load(sr + t));
-        float top = Lanes::reduce_max(top_lanes);
-        for (int64_t t = whole; t < n; ++t) top = std::fmax(top, sr[t]);
-        V total_lanes = Lanes::zero();
-        for (int64_t t = 0; t < whole; t += WIDTH) {
-            const V e = exp_lanes(Lanes::sub(Lanes::load(sr + t), Lanes::set1(top)));
-            Lanes::store(sr + t, e);
-            total_lanes = Lanes::add(total_lanes, e);
-        }
-        float total = Lanes::reduce_add(total_lanes);
-        for (int64_t t = whole; t < n; ++t) total += (sr[t] = std::exp(sr[t] - top));
-        const float inverse = 1.f / total;
-        for (int64_t t = 0; t < n; ++t) sr[t] *= inverse;
+    V top_lanes = Lanes::set1(-INFINITY);
+    for (int64_t t = 0; t < whole; t += WIDTH) top_lanes = Lanes::max(top_lanes, Lanes::load(scores + t));
+    float top = Lanes::reduce_max(top_lanes);
+    for (int64_t t = whole; t < n; ++t) top = std::fmax(top, scores[t]);
+    V total_lanes = Lanes::zero();
+    for (int64_t t = 0; t < whole; t += WIDTH) {
+        const V e = exp_lanes(Lanes::sub(Lanes::load(scores + t), Lanes::set1(top)));
+        Lanes::store(scores + t, e);
+        total_lanes = Lanes::add(total_lanes, e);
     }
-    for (int64_t t = 0; t < n; ++t) {
-        const T* value = v + (row_slots[t] * Hkv + g) * D;
-        if (t + PREFETCH_AHEAD < n) prefetch_row(v + (row_slots[t + PREFETCH_AHEAD] * Hkv + g) * D, row_bytes);
-        for (int64_t c = 0; c < chunks; ++c) row[c] = Lanes::load(value + c * WIDTH);
-        for (int64_t r = 0; r < rep; ++r) {
-            const V w = Lanes::set1(scores[r * max_keys + t]);
-            for (int64_t c = 0; c < chunks; ++c) acc[r * chunks + c] = Lanes::fmadd(w, row[c], acc[r * chunks + c]);
+    float total = Lanes::reduce_add(total_lanes);
+    for (int64_t t = whole; t < n; ++t) total += (scores[t] = std::exp(scores[t] - top));
+    const float inverse = 1.f / total;
+    for (int64_t t = 0; t < n; ++t) scores[t] *= inverse;
+}
+
+// One row's KV heads g0 .. g0 + heads - 1 and their query heads (rep each, q and out starting at the first):
+// scores, softmax and the weighted sum of values, WIDTH lanes at a time, over tiles of TILE_KEYS keys. D % WIDTH == 0,
+// and D == CHUNKS * WIDTH when CHUNKS is not 0 (the common head sizes, whose loops the compiler then unrolls so that
+// a query head's D floats and its value sums stay in registers). `scratch` holds attend_scratch_floats floats.
+template <int64_t CHUNKS, typename T>
+static void attend_one(const T* q, const T* k, const T* v, const int64_t* row_slots, int64_t n, int64_t Hkv,
+                       int64_t g0, int64_t heads, int64_t rep, int64_t D, float scale, float* scratch, T* out) {
+    const int64_t chunks = CHUNKS ? CHUNKS : D / WIDTH, queries = heads * rep;
+    float *scores = scratch, *sums = scores + queries * n, *tile = sums + queries * D;
+    for (int64_t t0 = 0; t0 < n; t0 += TILE_KEYS) {
+        const int64_t m = std::min(TILE_KEYS, n - t0), grouped = m - m % KEYS_AT_ONCE;
+        gather_tile(k, row_slots + t0, m, n - t0, Hkv, g0, heads, D, tile);
+        for (int64_t r = 0; r < queries; ++r) {
+            const float* rows = tile + (r / rep) * m * D;
+            float* sr = scores + r * n + t0;
+            V query[MAX_CHUNKS];
+            for (int64_t c = 0; c < chunks; ++c)
+                query[c] = Lanes::mul(Lanes::load(q + r * D + c * WIDTH), Lanes::set1(scale));
+            for (int64_t t = 0; t < grouped; t += KEYS_AT_ONCE) {
+                const float* key = rows + t * D;
+                V dot[KEYS_AT_ONCE];
+                for (int64_t j = 0; j < KEYS_AT_ONCE; ++j) dot[j] = Lanes::mul(query[0], Lanes::load(key + j * D));
+                for (int64_t c = 1; c < chunks; ++c) {
+                    for (int64_t j = 0; j < KEYS_AT_ONCE; ++j)
+                        dot[j] = Lanes::fmadd(query[c], Lanes::load(key + j * D + c * WIDTH), dot[j]);
+                }
+                Lanes::sum4(dot[0], dot[1], dot[2], dot[3], sr + t);
+            }
+            for (int64_t t = grouped; t < m; ++t) {
+                V dot = Lanes::mul(query[0], Lanes::load(rows + t * D));
+                for (int64_t c = 1; c < chunks; ++c)
+                    dot = Lanes::fmadd(query[c], Lanes::load(rows + t * D + c * WIDTH), dot);
+                sr[t] = Lanes::reduce_add(dot);
+            }
         }
     }
-    alignas(64) float lanes[WIDTH];
-    for (int64_t i = 0; i < rep * chunks; ++i) {
-        Lanes::store(lanes, acc[i]);
-        for (int64_t j = 0; j < WIDTH; ++j) store(out + i * WIDTH + j, lanes[j]);
+    for (int64_t r = 0; r < queries; ++r) softmax_in_place(scores + r * n, n);
+    std::fill(sums, sums + queries * D, 0.f);
+    for (int64_t t0 = 0; t0 < n; t0 += TILE_KEYS) {
+        const int64_t m = std::min(TILE_KEYS, n - t0);
+        gather_tile(v, row_slots + t0, m, n - t0, Hkv, g0, heads, D, tile);
+        for (int64_t r = 0; r < queries; ++r) {
+            const float *rows = tile + (r / rep) * m * D, *sr = scores + r * n + t0;
+            V acc[MAX_CHUNKS];
+            for (int64_t c = 0; c < chunks; ++c) acc[c] = Lanes::load(sums + r * D + c * WIDTH);
+            for (int64_t t = 0; t < m; ++t) {
+                const V w = Lanes::set1(sr[t]);
+                for (int64_t c = 0; c < chunks; ++c) acc[c] = Lanes::fmadd(w, Lanes::load(rows + t * D + c * WIDTH), acc[c]);
+            }
+            for (int64_t c = 0; c < chunks; ++c) Lanes::store(sums + r * D + c * WIDTH, acc[c]);
+        }
+    }
+    for (int64_t i = 0; i < queries * D; ++i) store(out + i, sums[i]);
+}
+
+// The floats attend_one's scratch holds for `heads` KV heads of a row of up to max_keys keys
+static int64_t attend_scratch_floats(int64_t heads, int64_t rep, int64_t D, int64_t max_keys) {
+    return heads * (rep * (max_keys + D) + TILE_KEYS * D);
+}
+
+// attend_one for D = chunks * WIDTH, its loops unrolled for the common head sizes
+template <typename... Args>
+static void attend_vectorized(int64_t chunks, Args... args) {
+    switch (chunks) {
+        case 64 / WIDTH: return attend_one<64 / WIDTH>(args...);
+        case 128 / WIDTH: return attend_one<128 / WIDTH>(args...);
+        default: return attend_one<0>(args...);
     }
 }
 #endif
 
+// One (row, KV head) without vector instructions, or for head sizes that are not a multiple of WIDTH. `scratch`
+// holds rep x D scaled queries, rep x D value sums and rep x n scores.
+template <typename T>
+static void attend_one_portable(const T* q, const T* k, const T* v, const int64_t* row_slots, int64_t n, int64_t Hkv,
+                                int64_t g, int64_t rep, int64_t D, float scale, float* scratch, T* out) {
+    float *query = scratch, *acc = scratch + rep * D, *scores = scratch + 2 * rep * D;
+    for (int64_t i = 0; i < rep * D; ++i) query[i] = to_float(q[i]) * scale;
+    for (int64_t t = 0; t < n; ++t) {
+        const T* key = k + (row_slots[t] * Hkv + g) * D;
+        for (int64_t r = 0; r < rep; ++r) {
+            const float* qr = query + r * D;
+            float s = 0.f;
+            #pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D; ++d) s += qr[d] * to_float(key[d]);
+            scores[r * n + t] = s;
+        }
+    }
+    for (int64_t r = 0; r < rep; ++r) {
+        float* sr = scores + r * n;
+        float top = -INFINITY;
+        for (int64_t t = 0; t < n; ++t) top = sr[t] > top ? sr[t] : top;
+        float total = 0.f;
+        for (int64_t t = 0; t < n; ++t) {
+            sr[t] = std::exp(sr[t] - top);
+            total += sr[t];
+        }
+        float inverse = n > 0 ? 1.f / total : 0.f;
+        for (int64_t t = 0; t < n; ++t) sr[t] *= inverse;
+    }
+    std::fill(acc, acc + rep * D, 0.f);
+    for (int64_t t = 0; t < n; ++t) {
+        const T* value = v + (row_slots[t] * Hkv + g) * D;
+        for (int64_t r = 0; r < rep; ++r) {
+            const float w = scores[r * n + t];
+            float* ar = acc + r * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ar[d] += w * to_float(value[d]);
+        }
+    }
+    for (int64_t i = 0; i < rep * D; ++i) store(out + i, acc[i]);
+}
+
 // q (B, H, D), k and v (num_slots, Hkv, D), slots (B, max_keys): row b reads keys slots[b, 0 .. lengths[b] - 1].
-// Returns 0, or -1 (computing nothing) when a slot it would read lies outside the cache.
+// Returns 0, -1 (computing nothing) when a slot it would read lies outside the cache, or -2 without scratch memory.
 template <typename T>
 static int attend(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lengths, int64_t B,
                   int64_t H, int64_t Hkv, int64_t D, int64_t max_keys, int64_t num_slots, float scale, int threads,
@@ -160,61 +270,46 @@ static int attend(const T* q, const T* k, const T* v, const int64_t* slots, cons
         }
     }
     const int64_t rep = H / Hkv;
+#ifdef TFORMER_VECTOR_ATTENTION
+    const bool vectorized = D % WIDTH == 0 && D <= WIDTH * MAX_CHUNKS;
+#else
+    const bool vectorized = false;
+#endif
+    // A task is one row's KV heads together (each slot's heads lie side by side in the cache) when there are enough
+    // rows to share out, else one (row, KV head) so that a few long rows still keep every thread busy.
+    const int64_t heads = vectorized && B >= 4 * threads ? Hkv : 1;
+#ifdef TFORMER_VECTOR_ATTENTION
+    const size_t scratch_floats = vectorized ? attend_scratch_floats(heads, rep, D, max_keys) : rep * (2 * D + max_keys);
+#else
+    const size_t scratch_floats = rep * (2 * D + max_keys);
+#endif
+    int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        std::vector<float> query(rep * D), acc(rep * D), scores(rep * max_keys);
+        const ScratchMemory memory(scratch_floats * sizeof(float));
+        float* scratch = static_cast<float*>(memory.data());
         #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t b = 0; b < B; ++b) {
-            for (int64_t g = 0; g < Hkv; ++g) {
-                int64_t n = lengths[b] < max_keys ? lengths[b] : max_keys;
+            for (int64_t g = 0; g < Hkv; g += heads) {
+                if (!scratch) {
+                    #pragma omp atomic write
+                    failed = 1;
+                    continue;
+                }
+                const int64_t n = lengths[b] < max_keys ? lengths[b] : max_keys, first = b * H + g * rep;
                 const int64_t* row_slots = slots + b * max_keys;
-                const T* row_q = q + (b * H + g * rep) * D;
 #ifdef TFORMER_VECTOR_ATTENTION
-                if (D % WIDTH == 0 && D <= WIDTH * MAX_CHUNKS && rep <= MAX_REP && n > 0) {
-                    attend_one(row_q, k, v, row_slots, n, Hkv, g, rep, D, max_keys, scale, scores.data(),
-                               out + (b * H + g * rep) * D);
+                if (vectorized) {
+                    attend_vectorized(D / WIDTH, q + first * D, k, v, row_slots, n, Hkv, g, heads, rep, D, scale,
+                                      scratch, out + first * D);
                     continue;
                 }
 #endif
-                for (int64_t i = 0; i < rep * D; ++i) query[i] = to_float(row_q[i]) * scale;
-                for (int64_t t = 0; t < n; ++t) {
-                    const T* key = k + (row_slots[t] * Hkv + g) * D;
-                    for (int64_t r = 0; r < rep; ++r) {
-                        const float* qr = query.data() + r * D;
-                        float s = 0.f;
-                        #pragma omp simd reduction(+ : s)
-                        for (int64_t d = 0; d < D; ++d) s += qr[d] * to_float(key[d]);
-                        scores[r * max_keys + t] = s;
-                    }
-                }
-                for (int64_t r = 0; r < rep; ++r) {
-                    float* sr = scores.data() + r * max_keys;
-                    float top = -INFINITY;
-                    for (int64_t t = 0; t < n; ++t) top = sr[t] > top ? sr[t] : top;
-                    float total = 0.f;
-                    for (int64_t t = 0; t < n; ++t) {
-                        sr[t] = std::exp(sr[t] - top);
-                        total += sr[t];
-                    }
-                    float inverse = n > 0 ? 1.f / total : 0.f;
-                    for (int64_t t = 0; t < n; ++t) sr[t] *= inverse;
-                }
-                std::fill(acc.begin(), acc.end(), 0.f);
-                for (int64_t t = 0; t < n; ++t) {
-                    const T* value = v + (row_slots[t] * Hkv + g) * D;
-                    for (int64_t r = 0; r < rep; ++r) {
-                        const float w = scores[r * max_keys + t];
-                        float* ar = acc.data() + r * D;
-                        #pragma omp simd
-                        for (int64_t d = 0; d < D; ++d) ar[d] += w * to_float(value[d]);
-                    }
-                }
-                T* row_out = out + (b * H + g * rep) * D;
-                for (int64_t i = 0; i < rep * D; ++i) store(row_out + i, acc[i]);
+                attend_one_portable(q + first * D, k, v, row_slots, n, Hkv, g, rep, D, scale, scratch, out + first * D);
             }
         }
     }
-    return 0;
+    return failed ? -2 : 0;
 }
 
 // tformer::paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths) -> Tensor, defined in
@@ -255,6 +350,7 @@ static Tensor paged_decode_attention_op(Tensor q, Tensor k, Tensor v, Tensor slo
             : attend(static_cast<const float*>(q.data_ptr()), static_cast<const float*>(k.data_ptr()),
                      static_cast<const float*>(v.data_ptr()), slot_ids, counts, B, H, Hkv, D, max_keys, num_slots,
                      scale, threads, static_cast<float*>(out.data_ptr()));
+    if (status == -2) throw std::runtime_error("paged_decode_attention: out of memory for its scratch buffers");
     if (status)
         throw std::out_of_range("paged_decode_attention: a slot to read lies outside the cache's " +
                                 std::to_string(num_slots) + " slots");
