@@ -414,5 +414,7 @@ def test_prompt_chunks_of_similar_widths_share_a_forward() -> None:
 
     items = [(Sequence(str(n), [0] * n, GREEDY), n) for n in (1, 20, 13, 7, 1, 6, 40)]
     groups = [[n for _, n in group] for group in group_by_width(items)]
-    # decodes first; then by width, a group taking a chunk while padding stays within 25% of its tokens
-    assert groups == [[1, 1], [40], [20, 13], [7, 6]]
+    # decodes first; then by width, a group taking a chunk while padding stays within 10% of its tokens
+    assert groups == [[1, 1], [40], [20], [13], [7, 6]]
+    wider = [[n for _, n in group] for group in group_by_width(items, max_padding=0.25)]
+    assert wider == [[1, 1], [40], [20, 13], [7, 6]]
