@@ -82,10 +82,16 @@ def _last_hidden(hidden: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor
 # engine_vs_llamacpp.py, alternating processes), and a graph no longer takes the GIL back after each op's call.
 # A cold compile of test_engine's two tiny models took 63 s with it and 56 without; a cold `tformer serve
 # --quantize int4 --compile` of SmolLM2 took 267 s to be ready (199 s without it, in an earlier run).
+# The graph's own kernels run on one thread (`cpp.threads`): a decode step's norms, rotary and activations are
+# small, and each of the ~120 kernels a step opened an OpenMP region of its own, a fork and join per kernel. The
+# matmuls and attention are custom ops, which keep torch's threads. The 32-request workload of engine_vs_hf.py
+# (SmolLM2 W8A8, 2-core Zen 3, 2026-12-03, one process per variant, alternating, 3 each, medians of 3 runs):
+# 144.0 / 138.3 / 140.4 tok/s with the regions, 152.3 / 143.0 / 160.3 without.
 DECODE_COMPILE_OPTIONS = {
     "size_asserts": False,
     "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
     "cpp_wrapper": True,
+    "cpp.threads": 1,
 }
 
 # Under `dynamic=True` Dynamo also makes every Python float it meets a graph input: SmolLM2's step took its 61 norm
