@@ -279,9 +279,7 @@ def make_runner(model: TransformerModel, compile: bool = False) -> ModelRunner:
     )
 
 
-def group_by_width(
-    scheduled: list[tuple[Sequence, int]], max_padding: float = 0.1
-) -> list[list[tuple[Sequence, int]]]:
+def group_by_width(scheduled: list[tuple[Sequence, int]], max_padding: float = 0.1) -> list[list[tuple[Sequence, int]]]:
     """Splits a step into forwards: decode rows (one new token) run together; prompt chunks run together when
     padding them to the widest of their group wastes at most `max_padding` of the group's tokens.
 
