@@ -102,7 +102,7 @@ constexpr int64_t KEYS_AT_ONCE = 4;          // keys scored together, their 4 do
 constexpr int64_t TILE_KEYS = 32;            // keys converted at a time: SmolLM2's 3 KV heads of 64 floats, 24 KB
 // Keys ahead to prefetch. 32 rows x ~130 keys of SmolLM2 in bf16, 30 layers' caches in DRAM (2 cores, AVX-512,
 // 2026-12-02): 428-456 us a layer without prefetching, 308-322 at 8 keys ahead, 278-284 at 16, 247-252 at 32.
-constexpr int64_t PREFETCH_AHEAD = 128;
+constexpr int64_t PREFETCH_AHEAD = 32;
 
 static inline void prefetch_row(const void* row, int64_t bytes) {
     for (int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(static_cast<const char*>(row) + byte, _MM_HINT_T0);
@@ -120,7 +120,8 @@ static void gather_tile(const T* cache, const int64_t* row_slots, int64_t m, int
         // the cache is larger than the CPU's caches: ask for rows in time
         if (t + PREFETCH_AHEAD < n) prefetch_row(cache + (row_slots[t + PREFETCH_AHEAD] * Hkv + g0) * D, row_bytes);
         for (int64_t h = 0; h < heads; ++h) {
-            for (int64_t c = 0; c < D; c += WIDTH) Lanes::store(tile + (h * m + t) * D + c, Lanes::load(row + h * D + c));
+            float* into = tile + (h * m + t) * D;
+            for (int64_t c = 0; c < D; c += WIDTH) Lanes::store(into + c, Lanes::load(row + h * D + c));
         }
     }
 }
@@ -191,7 +192,8 @@ static void attend_one(const T* q, const T* k, const T* v, const int64_t* row_sl
             for (int64_t c = 0; c < chunks; ++c) acc[c] = Lanes::load(sums + r * D + c * WIDTH);
             for (int64_t t = 0; t < m; ++t) {
                 const V w = Lanes::set1(sr[t]);
-                for (int64_t c = 0; c < chunks; ++c) acc[c] = Lanes::fmadd(w, Lanes::load(rows + t * D + c * WIDTH), acc[c]);
+                const float* value = rows + t * D;
+                for (int64_t c = 0; c < chunks; ++c) acc[c] = Lanes::fmadd(w, Lanes::load(value + c * WIDTH), acc[c]);
             }
             for (int64_t c = 0; c < chunks; ++c) Lanes::store(sums + r * D + c * WIDTH, acc[c]);
         }
@@ -278,10 +280,9 @@ static int attend(const T* q, const T* k, const T* v, const int64_t* slots, cons
     // A task is one row's KV heads together (each slot's heads lie side by side in the cache) when there are enough
     // rows to share out, else one (row, KV head) so that a few long rows still keep every thread busy.
     const int64_t heads = vectorized && B >= 4 * threads ? Hkv : 1;
+    size_t scratch_floats = rep * (2 * D + max_keys);  // attend_one_portable's
 #ifdef TFORMER_VECTOR_ATTENTION
-    const size_t scratch_floats = vectorized ? attend_scratch_floats(heads, rep, D, max_keys) : rep * (2 * D + max_keys);
-#else
-    const size_t scratch_floats = rep * (2 * D + max_keys);
+    if (vectorized) scratch_floats = attend_scratch_floats(heads, rep, D, max_keys);
 #endif
     int failed = 0;
     #pragma omp parallel num_threads(threads)
