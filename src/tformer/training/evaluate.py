@@ -14,7 +14,6 @@ import torch
 from tformer.data import LMBatch, Seq2SeqBatch, Tokenizer, Vocab, causal_lm
 from tformer.data.genre import encode_labelled
 from tformer.data.objectives import sequence_classification
-from tformer.inference import translate_ids
 from tformer.models import EncoderDecoder, TransformerModel
 
 
@@ -46,6 +45,10 @@ def translate(
     model: EncoderDecoder, tokenizer: Tokenizer, sentences: Sequence[str], beam_size: int = 4, alpha: float = 0.6
 ) -> list[str]:
     """Translates plain sentences with beam search (greedy when beam_size is 1)."""
+    # imported on use: the inference package loads torch.compile's Dynamo (its kernels' ops), about a second of
+    # start-up that a training run which never translates would pay
+    from tformer.inference import translate_ids
+
     sources = tokenizer.encode_batch(list(sentences))
     ids = translate_ids(model, sources, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, beam_size, alpha)
     return tokenizer.decode_batch(ids)

@@ -5,13 +5,16 @@ heads, and the mean over everything. The data comes from `tformer.inference.atte
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from tformer.inference.attention_map import CrossAttentionMap
 from tformer.viz.plots import _new_figure, _save
+
+if TYPE_CHECKING:  # only named here: importing the inference package would load Dynamo for every plot
+    from tformer.inference.attention_map import CrossAttentionMap
 
 PANEL_INCHES = 2.3  # a heat map's side, enough for about 30 token labels
 
