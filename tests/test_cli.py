@@ -76,6 +76,8 @@ def test_commands_import_only_what_they_need():
     # the probe sees a heavy module when a command does load it
     viz = "import tformer.cli; tformer.cli.main(['viz', 'positions', 'tiny-transformer', '--out', '/dev/null'])"
     assert modules_after(viz, ("matplotlib", "torch")) == {"matplotlib", "torch"}
+    # training loads the inference engine (and with it Dynamo, ~1 s) only when it translates
+    assert modules_after("import tformer.training", ("tformer.inference", "torch._dynamo", "torch")) == {"torch"}
 
 
 def test_generate_streams_what_the_engine_generates(tmp_path, capsys):
