@@ -285,6 +285,8 @@ static void matmul_avx2(const int8_t* q, const float* row_scales, int64_t M, int
         int64_t m = 0;
         for (; m + ROWS <= M; m += ROWS)
             tile_rows_avx2<ROWS>(tile, padded_k, q + m * padded_k, row_scales + m, scales, N, t * TILE, out + m * N);
+        for (; m + 2 <= M; m += 2)  // a token's two rounded rows (`fine`) at batch 1 share each weight load
+            tile_rows_avx2<2>(tile, padded_k, q + m * padded_k, row_scales + m, scales, N, t * TILE, out + m * N);
         for (; m < M; ++m)
             tile_rows_avx2<1>(tile, padded_k, q + m * padded_k, row_scales + m, scales, N, t * TILE, out + m * N);
     }
@@ -305,9 +307,8 @@ struct Scratch {
 };
 
 template <typename T>
-static void multiply(const int8_t* q, const float* row_scales, const int32_t* offsets, int64_t rows,
-                     int64_t padded_k, const uint8_t* w, const float* scales, int64_t N, T* out, int threads,
-                     bool portable) {
+static void multiply(const int8_t* q, const float* row_scales, const int32_t* offsets, int64_t rows, int64_t padded_k,
+                     const uint8_t* w, const float* scales, int64_t N, T* out, int threads, bool portable) {
 #ifdef TFORMER_VNNI
     if (!portable) return matmul_vnni(q, row_scales, offsets, rows, padded_k, w, scales, N, out, threads);
 #endif
