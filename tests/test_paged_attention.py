@@ -18,11 +18,14 @@ pytestmark = pytest.mark.skipif(kernel() is None, reason="no C++ compiler to bui
 BF16_MARGIN = 2e-2  # bf16 output rounding (8 bits of mantissa) on values of magnitude ~1, and bf16 inputs
 
 
-def paged_case(rows: int, n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, block: int = 4):
-    """Queries, a cache of shuffled blocks, each row's slot table and key count (1 to 37, the longest padded)."""
+def paged_case(
+    rows: int, n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, block: int = 4, longest: int = 37
+):
+    """Queries, a cache of shuffled blocks, each row's slot table and key count (1 to `longest`, the longest padded;
+    the first row has 1 key and the last `longest`)."""
     generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(1, 38, (rows,), generator=generator)
-    lengths[0], lengths[-1] = 1, 37
+    lengths = torch.randint(1, longest + 1, (rows,), generator=generator)
+    lengths[0], lengths[-1] = 1, longest
     width = int(lengths.max())
     n_blocks = -(-width // block)
     cache_blocks = rows * n_blocks + 3
@@ -62,6 +65,26 @@ def test_kernel_equals_the_softmax_formula(
     case = paged_case(4 * torch.get_num_threads() + 2 if many_rows else 3, n_heads, n_kv_heads, head_dim, dtype)
     out = paged_decode_attention(*case)
     assert out.dtype == dtype and out.shape == case[0].shape
+    tolerance = 1e-5 if dtype == torch.float32 else BF16_MARGIN
+    torch.testing.assert_close(out.double(), softmax_formula(*case), atol=tolerance, rtol=tolerance)
+
+
+# Fewer (row, KV head) tasks than twice the threads, and 256 keys or more (the kernel's MIN_SPLIT_KEYS): each row's
+# keys split into one range a thread, whose results merge. 1 row of 3 KV heads, or 3 rows of 1 (the first with a
+# single key, which leaves a range without keys); 2 threads and 3 for ranges of unequal length.
+@pytest.mark.parametrize("rows, n_heads, n_kv_heads", [(1, 9, 3), (3, 4, 1)], ids=["one-row-gqa", "three-rows-mqa"])
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_long_rows_split_across_threads_equal_the_softmax_formula(
+    rows: int, n_heads: int, n_kv_heads: int, threads: int, dtype: torch.dtype
+) -> None:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        case = paged_case(rows, n_heads, n_kv_heads, 64, dtype, block=16, longest=601)
+        out = paged_decode_attention(*case)
+    finally:
+        torch.set_num_threads(previous)
     tolerance = 1e-5 if dtype == torch.float32 else BF16_MARGIN
     torch.testing.assert_close(out.double(), softmax_formula(*case), atol=tolerance, rtol=tolerance)
 

@@ -103,6 +103,7 @@ constexpr int64_t TILE_KEYS = 32;            // keys converted at a time: SmolLM
 // Keys ahead to prefetch. 32 rows x ~130 keys of SmolLM2 in bf16, 30 layers' caches in DRAM (2 cores, AVX-512,
 // 2026-12-02): 428-456 us a layer without prefetching, 308-322 at 8 keys ahead, 278-284 at 16, 247-252 at 32.
 constexpr int64_t PREFETCH_AHEAD = 32;
+constexpr int64_t MIN_SPLIT_KEYS = 256;  // the fewest keys a row's task splits into parts for (see attend)
 
 static inline void prefetch_row(const void* row, int64_t bytes) {
     for (int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(static_cast<const char*>(row) + byte, _MM_HINT_T0);
@@ -126,8 +127,8 @@ static void gather_tile(const T* cache, const int64_t* row_slots, int64_t m, int
     }
 }
 
-// scores[0 .. n-1] = their softmax, in place
-static void softmax_in_place(float* scores, int64_t n) {
+// scores[0 .. n-1] = their softmax, in place; with `top_total`, e^(score - top) only, and top and their sum there
+static void softmax_in_place(float* scores, int64_t n, float* top_total) {
     const int64_t whole = n - n % WIDTH;  // scores past it take the scalar tail
     V top_lanes = Lanes::set1(-INFINITY);
     for (int64_t t = 0; t < whole; t += WIDTH) top_lanes = Lanes::max(top_lanes, Lanes::load(scores + t));
@@ -141,17 +142,20 @@ static void softmax_in_place(float* scores, int64_t n) {
     }
     float total = Lanes::reduce_add(total_lanes);
     for (int64_t t = whole; t < n; ++t) total += (scores[t] = std::exp(scores[t] - top));
-    const float inverse = 1.f / total;
-    for (int64_t t = 0; t < n; ++t) scores[t] *= inverse;
+    if (top_total) top_total[0] = top, top_total[1] = total;
+    for (int64_t t = 0; t < n && !top_total; ++t) scores[t] *= 1.f / total;
 }
 
 // One row's KV heads g0 .. g0 + heads - 1 and their query heads (rep each, q and out starting at the first):
 // scores, softmax and the weighted sum of values, WIDTH lanes at a time, over tiles of TILE_KEYS keys. D % WIDTH == 0,
 // and D == CHUNKS * WIDTH when CHUNKS is not 0 (the common head sizes, whose loops the compiler then unrolls so that
 // a query head's D floats and its value sums stay in registers). `scratch` holds attend_scratch_floats floats.
+// With `part`, each query head's sums before the softmax's division go there instead, then its top score and the
+// sum of its keys' weights (D + 2 floats a query head), for `merge_parts`.
 template <int64_t CHUNKS, typename T>
 static void attend_one(const T* q, const T* k, const T* v, const int64_t* row_slots, int64_t n, int64_t Hkv,
-                       int64_t g0, int64_t heads, int64_t rep, int64_t D, float scale, float* scratch, T* out) {
+                       int64_t g0, int64_t heads, int64_t rep, int64_t D, float scale, float* scratch, T* out,
+                       float* part) {
     const int64_t chunks = CHUNKS ? CHUNKS : D / WIDTH, queries = heads * rep;
     float *scores = scratch, *sums = scores + queries * n, *tile = sums + queries * D;
     for (int64_t t0 = 0; t0 < n; t0 += TILE_KEYS) {
@@ -181,7 +185,7 @@ static void attend_one(const T* q, const T* k, const T* v, const int64_t* row_sl
             }
         }
     }
-    for (int64_t r = 0; r < queries; ++r) softmax_in_place(scores + r * n, n);
+    for (int64_t r = 0; r < queries; ++r) softmax_in_place(scores + r * n, n, part ? part + r * (D + 2) + D : nullptr);
     std::fill(sums, sums + queries * D, 0.f);
     for (int64_t t0 = 0; t0 < n; t0 += TILE_KEYS) {
         const int64_t m = std::min(TILE_KEYS, n - t0);
@@ -198,7 +202,27 @@ static void attend_one(const T* q, const T* k, const T* v, const int64_t* row_sl
             for (int64_t c = 0; c < chunks; ++c) Lanes::store(sums + r * D + c * WIDTH, acc[c]);
         }
     }
-    for (int64_t i = 0; i < queries * D; ++i) store(out + i, sums[i]);
+    for (int64_t r = 0; r < queries && part; ++r) std::copy(sums + r * D, sums + (r + 1) * D, part + r * (D + 2));
+    for (int64_t i = 0; i < queries * D && !part; ++i) store(out + i, sums[i]);
+}
+
+// One query head's output from what attend_one left for its `parts` key ranges (`stride` floats apart): the ranges'
+// sums and weights' sums, each weighed by e^(its top - the top of all). A range without keys takes no part.
+template <typename T>
+static void merge_parts(float* first, int64_t parts, int64_t stride, int64_t D, T* out) {
+    float top = -INFINITY, total = 0.f;
+    for (int64_t p = 0; p < parts; ++p)
+        if (first[p * stride + D + 1] != 0.f) top = std::fmax(top, first[p * stride + D]);
+    for (int64_t p = 0; p < parts; ++p) {
+        float* at = first + p * stride;
+        at[D] = at[D + 1] != 0.f ? std::exp(at[D] - top) : 0.f;  // the range's weight, in place of its top
+        total += at[D] * at[D + 1];
+    }
+    for (int64_t d = 0; d < D; ++d) {
+        float sum = 0.f;
+        for (int64_t p = 0; p < parts; ++p) sum += first[p * stride + D] * first[p * stride + d];
+        store(out + d, total != 0.f ? sum / total : 0.f);  // a row without keys: zeros, as without parts
+    }
 }
 
 // The floats attend_one's scratch holds for `heads` KV heads of a row of up to max_keys keys
@@ -280,35 +304,47 @@ static int attend(const T* q, const T* k, const T* v, const int64_t* slots, cons
     // A task is one row's KV heads together (each slot's heads lie side by side in the cache) when there are enough
     // rows to share out, else one (row, KV head) so that a few long rows still keep every thread busy.
     const int64_t heads = vectorized && B >= 4 * threads ? Hkv : 1;
+    // Fewer tasks than twice the threads (one long row, 3 KV heads on 2 threads): each task's keys split into
+    // `parts` ranges, whose results merge_parts joins, so that every thread gets an equal share.
+    const int64_t parts = vectorized && B * Hkv < 2 * threads && max_keys >= MIN_SPLIT_KEYS ? threads : 1;
+    std::vector<float> results(parts > 1 ? parts * B * H * (D + 2) : 0);
     size_t scratch_floats = rep * (2 * D + max_keys);  // attend_one_portable's
 #ifdef TFORMER_VECTOR_ATTENTION
-    if (vectorized) scratch_floats = attend_scratch_floats(heads, rep, D, max_keys);
+    if (vectorized) scratch_floats = attend_scratch_floats(heads, rep, D, (max_keys + parts - 1) / parts);
 #endif
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
         const ScratchMemory memory(scratch_floats * sizeof(float));
         float* scratch = static_cast<float*>(memory.data());
-        #pragma omp for collapse(2) schedule(dynamic, 1)
+        #pragma omp for collapse(3) schedule(dynamic, 1)
         for (int64_t b = 0; b < B; ++b) {
             for (int64_t g = 0; g < Hkv; g += heads) {
-                if (!scratch) {
-                    #pragma omp atomic write
-                    failed = 1;
-                    continue;
-                }
-                const int64_t n = lengths[b] < max_keys ? lengths[b] : max_keys, first = b * H + g * rep;
-                const int64_t* row_slots = slots + b * max_keys;
+                for (int64_t p = 0; p < parts; ++p) {
+                    if (!scratch) {
+                        #pragma omp atomic write
+                        failed = 1;
+                        continue;
+                    }
+                    const int64_t n = lengths[b] < max_keys ? lengths[b] : max_keys, first = b * H + g * rep;
+                    const int64_t share = (n + parts - 1) / parts, start = std::min(n, p * share);
+                    const int64_t* row_slots = slots + b * max_keys + start;
+                    float* part = parts > 1 ? results.data() + (p * B * H + first) * (D + 2) : nullptr;
 #ifdef TFORMER_VECTOR_ATTENTION
-                if (vectorized) {
-                    attend_vectorized(D / WIDTH, q + first * D, k, v, row_slots, n, Hkv, g, heads, rep, D, scale,
-                                      scratch, out + first * D);
-                    continue;
-                }
+                    if (vectorized) {
+                        attend_vectorized(D / WIDTH, q + first * D, k, v, row_slots, std::min(share, n - start), Hkv,
+                                          g, heads, rep, D, scale, scratch, out + first * D, part);
+                        continue;
+                    }
 #endif
-                attend_one_portable(q + first * D, k, v, row_slots, n, Hkv, g, rep, D, scale, scratch, out + first * D);
+                    attend_one_portable(q + first * D, k, v, row_slots, n, Hkv, g, rep, D, scale, scratch,
+                                        out + first * D);
+                }
             }
         }
+        #pragma omp for
+        for (int64_t i = 0; i < (parts > 1 && !failed ? B * H : 0); ++i)
+            merge_parts(results.data() + i * (D + 2), parts, B * H * (D + 2), D, out + i * D);
     }
     return failed ? -2 : 0;
 }
