@@ -24,6 +24,9 @@ ignored (tformer: `ignore_eos=True`; llama.cpp: `Llama.generate`, which never st
 off; llama.cpp: `reset()` before each run), so every run pays the full prefill. The sides alternate run by run
 in one process (order reversed every other run), after one warm-up run each; medians over `--runs` runs of
 time to first token (TTFT) and decode tokens/s after the first token, counted from the tokens actually produced.
+`--long-prompt N` asks for a summary of N copies of John 1 instead of the short default prompt (about 1,250 tokens
+each): with 3 (3,792 tokens), every decode step attends over 3,792-3,920 keys, whose cache (90 MB for SmolLM2 in
+bf16) no longer fits in the CPU's caches, so attention reads it from memory at every step.
 
 The bandwidth share is weight bytes read per decode token x decode tokens/s / measured large-copy bandwidth
 (`tformer.inference.bench.copy_bandwidth`, which counts the bytes read and the bytes written). A pure read of a
@@ -244,6 +247,13 @@ def main() -> None:
         help="skip the perplexity column (John 1, one forward per side)",
     )
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message, in the model's chat template")
+    parser.add_argument(
+        "--long-prompt",
+        type=int,
+        default=0,
+        metavar="COPIES",
+        help="ask for a summary of COPIES copies of John 1 instead (about 1,250 tokens each): a long context",
+    )
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted({v.removesuffix(COMPILE) for v in variants} - set(VARIANTS))
@@ -260,7 +270,8 @@ def main() -> None:
         name: Engine(m, tokenizer, EngineConfig(prefix_caching=False, compile=name.endswith(COMPILE)))
         for name, m in models.items()
     }
-    prompt = chat_ids(tokenizer, args.prompt)
+    chapters = "\n\n".join([john_1()] * args.long_prompt)
+    prompt = chat_ids(tokenizer, f"Summarize this text.\n\n{chapters}" if args.long_prompt else args.prompt)
     llama = load_llamacpp(path, threads, context=len(prompt) + args.tokens + 64)
     import llama_cpp
 
