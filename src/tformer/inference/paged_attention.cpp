@@ -211,8 +211,7 @@ static void attend_one(const T* q, const T* k, const T* v, const int64_t* row_sl
 template <typename T>
 static void merge_parts(float* first, int64_t parts, int64_t stride, int64_t D, T* out) {
     float top = -INFINITY, total = 0.f;
-    for (int64_t p = 0; p < parts; ++p)
-        if (first[p * stride + D + 1] != 0.f) top = std::fmax(top, first[p * stride + D]);
+    for (int64_t p = 0; p < parts; ++p) top = std::fmax(top, first[p * stride + D]);  // -inf where a range is empty
     for (int64_t p = 0; p < parts; ++p) {
         float* at = first + p * stride;
         at[D] = at[D + 1] != 0.f ? std::exp(at[D] - top) : 0.f;  // the range's weight, in place of its top
