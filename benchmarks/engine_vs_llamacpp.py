@@ -259,6 +259,8 @@ def main() -> None:
     unknown = sorted({v.removesuffix(COMPILE) for v in variants} - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    if args.long_prompt < 0:
+        parser.error(f"--long-prompt takes a number of copies, 0 or more; got {args.long_prompt}")
     threads = set_threads(args.threads)
 
     path = smollm2_path()
@@ -270,8 +272,10 @@ def main() -> None:
         name: Engine(m, tokenizer, EngineConfig(prefix_caching=False, compile=name.endswith(COMPILE)))
         for name, m in models.items()
     }
-    chapters = "\n\n".join([john_1()] * args.long_prompt)
-    prompt = chat_ids(tokenizer, f"Summarize this text.\n\n{chapters}" if args.long_prompt else args.prompt)
+    message = args.prompt
+    if args.long_prompt:
+        message = "Summarize this text.\n\n" + "\n\n".join([john_1()] * args.long_prompt)
+    prompt = chat_ids(tokenizer, message)
     llama = load_llamacpp(path, threads, context=len(prompt) + args.tokens + 64)
     import llama_cpp
 
