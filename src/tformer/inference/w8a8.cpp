@@ -30,11 +30,7 @@ static inline int weight_at(const uint8_t* w, int64_t padded_k, int64_t n, int64
 // r = round(FINE * (x * 127 / max|x| - q)) with the scale max|x| / (127 FINE): x ≈ (FINE q + r) max|x| / (127 FINE)
 // (FINE and `remainder_int8` in native.h, shared with the int4 kernel).
 
-struct QuantRow {  // one quantized row: its bytes, scale and offset
-    int8_t* q;
-    float* scale;
-    int32_t* offset;
-};
+struct QuantRow { int8_t* q; float* scale; int32_t* offset; };  // one quantized row: its bytes, scale and offset
 
 template <typename T>
 static void quantize_row_portable(const T* x, int64_t K, int64_t padded_k, QuantRow row, const QuantRow* fine) {
@@ -171,6 +167,10 @@ static inline void all_rows(const uint8_t* w, int64_t padded_k, const int8_t* q,
     int64_t m = 0;
     for (; m + ROWS <= M; m += ROWS)
         tiles_rows<ROWS, TILES>(w, padded_k, q + m * padded_k, row_scales + m, offsets + m, scales, N, n0, out + m * N);
+    // A token's two rounded rows (`fine`) at batch 1 share each weight load: SmolLM2's head went from 782-836 to
+    // 609-676 us a call on an Intel Xeon without AMX (one process alternating the two builds).
+    for (; m + 2 <= M; m += 2)
+        tiles_rows<2, TILES>(w, padded_k, q + m * padded_k, row_scales + m, offsets + m, scales, N, n0, out + m * N);
     for (; m < M; ++m)
         tiles_rows<1, TILES>(w, padded_k, q + m * padded_k, row_scales + m, offsets + m, scales, N, n0, out + m * N);
 }
