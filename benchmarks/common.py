@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -42,10 +43,31 @@ def uptime() -> str:
     return "load average: {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg())
 
 
+_last_cpu_times: list[int] = []
+
+
+def stolen_share(stat: Path = Path("/proc/stat")) -> float | None:
+    """The share of CPU time the hypervisor gave to other guests (`steal` in /proc/stat) since the previous call,
+    or since boot at the first; None where /proc/stat is missing. On a shared virtual machine it is the load that
+    `uptime` does not see: 5-50% in 5-second windows on one such machine (2026-12-03), which made the same decode
+    run read 16 to 108 tok/s."""
+    try:
+        fields = [int(v) for v in stat.read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    before = _last_cpu_times[:] or [0] * len(fields)
+    _last_cpu_times[:] = fields
+    spent = [now - then for now, then in zip(fields, before, strict=True)]
+    return spent[7] / sum(spent) if sum(spent) > 0 else 0.0
+
+
 def load_report(label: str) -> str:
-    """One line: label, os.getloadavg() (1, 5, 15 minutes) and the `uptime` line."""
+    """One line: label, os.getloadavg() (1, 5, 15 minutes), the share of CPU time stolen by other virtual
+    machines since the previous report (`stolen_share`) and the `uptime` line."""
     one, five, fifteen = os.getloadavg()
-    return f"load {label}: {one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min)  [uptime: {uptime()}]"
+    stolen = stolen_share()
+    steal = "" if stolen is None else f", {stolen:.0%} stolen by other guests since the last report"
+    return f"load {label}: {one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min){steal}  [uptime: {uptime()}]"
 
 
 def busy_processes(interval: float = 0.5, min_share: float = 0.1) -> str:
