@@ -103,7 +103,6 @@ constexpr int64_t TILE_KEYS = 32;            // keys converted at a time: SmolLM
 // Keys ahead to prefetch. 32 rows x ~130 keys of SmolLM2 in bf16, 30 layers' caches in DRAM (2 cores, AVX-512,
 // 2026-12-02): 428-456 us a layer without prefetching, 308-322 at 8 keys ahead, 278-284 at 16, 247-252 at 32.
 constexpr int64_t PREFETCH_AHEAD = 32;
-constexpr int64_t MIN_SPLIT_KEYS = 256;  // the fewest keys a row's task splits into parts for (see attend)
 
 static inline void prefetch_row(const void* row, int64_t bytes) {
     for (int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(static_cast<const char*>(row) + byte, _MM_HINT_T0);
@@ -206,6 +205,24 @@ static void attend_one(const T* q, const T* k, const T* v, const int64_t* row_sl
     for (int64_t i = 0; i < queries * D && !part; ++i) store(out + i, sums[i]);
 }
 
+// The floats attend_one's scratch holds for `heads` KV heads of a row of up to max_keys keys
+static int64_t attend_scratch_floats(int64_t heads, int64_t rep, int64_t D, int64_t max_keys) {
+    return heads * (rep * (max_keys + D) + TILE_KEYS * D);
+}
+
+// attend_one for D = chunks * WIDTH, its loops unrolled for the common head sizes
+template <typename... Args>
+static void attend_vectorized(int64_t chunks, Args... args) {
+    switch (chunks) {
+        case 64 / WIDTH: return attend_one<64 / WIDTH>(args...);
+        case 128 / WIDTH: return attend_one<128 / WIDTH>(args...);
+        default: return attend_one<0>(args...);
+    }
+}
+#endif
+
+constexpr int64_t MIN_SPLIT_KEYS = 256;  // the fewest keys a row's task splits into parts for (see attend)
+
 // One query head's output from what attend_one left for its `parts` key ranges (`stride` floats apart): the ranges'
 // sums and weights' sums, each weighed by e^(its top - the top of all). A range without keys takes no part.
 template <typename T>
@@ -223,22 +240,6 @@ static void merge_parts(float* first, int64_t parts, int64_t stride, int64_t D, 
         store(out + d, total != 0.f ? sum / total : 0.f);  // a row without keys: zeros, as without parts
     }
 }
-
-// The floats attend_one's scratch holds for `heads` KV heads of a row of up to max_keys keys
-static int64_t attend_scratch_floats(int64_t heads, int64_t rep, int64_t D, int64_t max_keys) {
-    return heads * (rep * (max_keys + D) + TILE_KEYS * D);
-}
-
-// attend_one for D = chunks * WIDTH, its loops unrolled for the common head sizes
-template <typename... Args>
-static void attend_vectorized(int64_t chunks, Args... args) {
-    switch (chunks) {
-        case 64 / WIDTH: return attend_one<64 / WIDTH>(args...);
-        case 128 / WIDTH: return attend_one<128 / WIDTH>(args...);
-        default: return attend_one<0>(args...);
-    }
-}
-#endif
 
 // One (row, KV head) without vector instructions, or for head sizes that are not a multiple of WIDTH. `scratch`
 // holds rep x D scaled queries, rep x D value sums and rep x n scores.
@@ -328,9 +329,9 @@ static int attend(const T* q, const T* k, const T* v, const int64_t* slots, cons
                     const int64_t n = lengths[b] < max_keys ? lengths[b] : max_keys, first = b * H + g * rep;
                     const int64_t share = (n + parts - 1) / parts, start = std::min(n, p * share);
                     const int64_t* row_slots = slots + b * max_keys + start;
-                    float* part = parts > 1 ? results.data() + (p * B * H + first) * (D + 2) : nullptr;
 #ifdef TFORMER_VECTOR_ATTENTION
                     if (vectorized) {
+                        float* part = parts > 1 ? results.data() + (p * B * H + first) * (D + 2) : nullptr;
                         attend_vectorized(D / WIDTH, q + first * D, k, v, row_slots, std::min(share, n - start), Hkv,
                                           g, heads, rep, D, scale, scratch, out + first * D, part);
                         continue;

@@ -1,0 +1,37 @@
+"""Every C++ kernel compiles for each instruction set it has a path for, not only for this machine's CPU.
+
+The kernels build with -march=native, so the suite on one machine only ever compiles one of their paths; a path
+guarded by another CPU's macros could stop compiling unseen (the paged attention kernel's portable build did, on
+2026-12-03). These builds stop after the compiler's checks (-fsyntax-only), which instantiate every template."""
+
+import os
+import platform
+import shutil
+import subprocess
+
+import pytest
+
+from tformer.inference import native
+
+COMPILER = os.environ.get("CXX", "g++")
+TARGETS = {  # the path each kernel takes there: -march value
+    "portable": "x86-64",
+    "avx2": "haswell",
+    "avx512-without-vnni": "skylake-avx512",
+    "avx512-vnni": "cascadelake",
+}
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() != "x86_64" or shutil.which(COMPILER) is None, reason="needs an x86-64 C++ compiler"
+)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kernel", ["int4", "w8a8", "paged_attention"])
+def test_kernel_compiles_for_every_instruction_set(kernel: str, target: str) -> None:
+    flags = [flag for flag in native.COMPILER_FLAGS if flag not in ("-march=native", "-shared", "-fPIC")]
+    includes = [flag for flag in native.torch_flags() if flag.startswith("-I")]
+    march = f"-march={TARGETS[target]}"
+    command = [COMPILER, str(native.HERE / f"{kernel}.cpp"), "-fsyntax-only", march, *flags, *includes]
+    built = subprocess.run([*command, f"-I{native.HERE}"], capture_output=True, text=True)
+    assert built.returncode == 0, f"{kernel}.cpp does not compile with {march}:\n{built.stderr[-2000:]}"
