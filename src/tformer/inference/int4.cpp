@@ -126,9 +126,7 @@ static inline void tile_rows(const uint8_t* w_tile, int64_t blocks, const int8_t
     const __m512i low_half = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* chunk = w_tile + b * CHUNK;
-        if constexpr (R == 1)
-            for (int64_t line = 0; line < CHUNK; line += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH_AHEAD + line), _MM_HINT_T0);
+        if constexpr (R == 1) prefetch(chunk + PREFETCH_AHEAD, CHUNK);
         __m512i low[4], high[4];
         for (int j = 0; j < 4; ++j) {
             const __m512i bytes = _mm512_loadu_si512(chunk + 64 * j);
@@ -262,8 +260,7 @@ static inline void tile_row_avx2(const uint8_t* w_tile, int64_t blocks, const in
     const __m256i fine_weight = _mm256_set1_epi16(int16_t(FINE));
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* chunk = w_tile + b * CHUNK;
-        for (int64_t line = 0; line < CHUNK; line += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH_AHEAD + line), _MM_HINT_T0);
+        prefetch(chunk + PREFETCH_AHEAD, CHUNK);
         const int32_t* quads = reinterpret_cast<const int32_t*>(q + 2 * b * BLOCK);
         __m256i coarse[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         __m256i fine[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};

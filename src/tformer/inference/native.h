@@ -136,3 +136,10 @@ static inline void store16(uint16_t* p, __m512 v) {  // 16 bfloat16s, rounded as
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 #endif
+
+#if defined(__AVX512F__) || defined(TFORMER_AVX2)
+// Asks the CPU to bring `bytes` from `at` into its caches, a 64-byte line at a time, ahead of the loads that read them.
+static inline void prefetch(const void* at, int64_t bytes) {
+    for (int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(static_cast<const char*>(at) + byte, _MM_HINT_T0);
+}
+#endif

@@ -104,10 +104,6 @@ constexpr int64_t TILE_KEYS = 32;            // keys converted at a time: SmolLM
 // 2026-12-02): 428-456 us a layer without prefetching, 308-322 at 8 keys ahead, 278-284 at 16, 247-252 at 32.
 constexpr int64_t PREFETCH_AHEAD = 32;
 
-static inline void prefetch_row(const void* row, int64_t bytes) {
-    for (int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(static_cast<const char*>(row) + byte, _MM_HINT_T0);
-}
-
 // KV heads g0 .. g0 + heads - 1 of the cache's rows 0 .. m-1 (of n), copied as floats into `tile` (heads x m x D):
 // each slot's heads are read together (side by side in the cache), and every query head sharing a KV head then
 // reads one contiguous, converted copy that stays in the L1 cache.
@@ -118,7 +114,7 @@ static void gather_tile(const T* cache, const int64_t* row_slots, int64_t m, int
     for (int64_t t = 0; t < m; ++t) {
         const T* row = cache + (row_slots[t] * Hkv + g0) * D;
         // the cache is larger than the CPU's caches: ask for rows in time
-        if (t + PREFETCH_AHEAD < n) prefetch_row(cache + (row_slots[t + PREFETCH_AHEAD] * Hkv + g0) * D, row_bytes);
+        if (t + PREFETCH_AHEAD < n) prefetch(cache + (row_slots[t + PREFETCH_AHEAD] * Hkv + g0) * D, row_bytes);
         for (int64_t h = 0; h < heads; ++h) {
             float* into = tile + (h * m + t) * D;
             for (int64_t c = 0; c < D; c += WIDTH) Lanes::store(into + c, Lanes::load(row + h * D + c));
