@@ -137,8 +137,10 @@ static void softmax_in_place(float* scores, int64_t n, float* top_total) {
     }
     float total = Lanes::reduce_add(total_lanes);
     for (int64_t t = whole; t < n; ++t) total += (scores[t] = std::exp(scores[t] - top));
-    if (top_total) top_total[0] = top, top_total[1] = total;
-    for (int64_t t = 0; t < n && !top_total; ++t) scores[t] *= 1.f / total;
+    if (top_total)
+        top_total[0] = top, top_total[1] = total;
+    else
+        for (int64_t t = 0; t < n; ++t) scores[t] *= 1.f / total;
 }
 
 // One row's KV heads g0 .. g0 + heads - 1 and their query heads (rep each, q and out starting at the first):
@@ -197,8 +199,10 @@ static void attend_one(const T* q, const T* k, const T* v, const int64_t* row_sl
             for (int64_t c = 0; c < chunks; ++c) Lanes::store(sums + r * D + c * WIDTH, acc[c]);
         }
     }
-    for (int64_t r = 0; r < queries && part; ++r) std::copy(sums + r * D, sums + (r + 1) * D, part + r * (D + 2));
-    for (int64_t i = 0; i < queries * D && !part; ++i) store(out + i, sums[i]);
+    if (part)
+        for (int64_t r = 0; r < queries; ++r) std::copy(sums + r * D, sums + (r + 1) * D, part + r * (D + 2));
+    else
+        for (int64_t i = 0; i < queries * D; ++i) store(out + i, sums[i]);
 }
 
 // The floats attend_one's scratch holds for `heads` KV heads of a row of up to max_keys keys
