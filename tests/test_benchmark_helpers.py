@@ -1,7 +1,12 @@
 """The benchmarks' own helpers (benchmarks/common.py), against the formula they state."""
 
+import os
 import sys
+import threading
+import time
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import common  # noqa: E402
@@ -20,3 +25,31 @@ def test_stolen_share_is_the_steal_delta_over_the_total_delta(tmp_path, monkeypa
     assert common.stolen_share(write_stat(stat, 700, 150, 250, 400)) == 300 / 500  # since the previous call
     assert common.stolen_share(stat) == 0.0  # nothing elapsed
     assert common.stolen_share(tmp_path / "missing") is None
+
+
+def write_thread_stat(proc: Path, pid: int, tid: int, name: str, utime: int, stime: int) -> None:
+    # /proc/<pid>/task/<tid>/stat: pid (comm) state ppid ... with utime and stime the 14th and 15th fields
+    task = proc / str(pid) / "task" / str(tid)
+    task.mkdir(parents=True)
+    rest = ["S"] + ["0"] * 10 + [str(utime), str(stime)] + ["0"] * 30
+    (task / "stat").write_text(f"{tid} ({name}) {' '.join(rest)}\n")
+
+
+def test_thread_cpu_seconds_reads_each_threads_user_and_system_ticks(tmp_path):
+    hz = os.sysconf("SC_CLK_TCK")
+    write_thread_stat(tmp_path, 42, 42, "python", 300, 20)
+    write_thread_stat(tmp_path, 42, 43, "odd) name (x", 7, 1)  # a name may hold spaces and parentheses
+    assert common.thread_cpu_seconds(42, tmp_path) == {42: 320 / hz, 43: 8 / hz}
+    assert common.thread_cpu_seconds(7, tmp_path) == {}  # no such process
+
+
+def test_thread_cpu_seconds_matches_the_threads_own_clock():
+    """Linux: the current thread's reading moves with time.thread_time(), to within the ticks' resolution."""
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("needs Linux /proc")
+    tick, tid = 1 / os.sysconf("SC_CLK_TCK"), threading.get_native_id()
+    before, clock = common.thread_cpu_seconds(os.getpid())[tid], time.thread_time()
+    while time.thread_time() - clock < 0.3:
+        pass
+    spent = common.thread_cpu_seconds(os.getpid())[tid] - before
+    assert abs(spent - (time.thread_time() - clock)) <= 2 * tick + 0.01
