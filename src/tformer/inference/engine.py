@@ -32,7 +32,7 @@ from tformer.inference.outputs import Completion, OutputProcessor, RequestOutput
 from tformer.inference.paged import BlockAllocator, kv_bytes_per_token, paged_cache_for
 from tformer.inference.requests import InputProcessor, Request
 from tformer.inference.runner import StepBatch, group_by_width, make_runner
-from tformer.inference.sampling import RequestError, SamplingParams, sample_token, sampling_probs
+from tformer.inference.sampling import RequestError, SamplingParams, greedy_tokens, sample_token, sampling_probs
 from tformer.inference.scheduler import Scheduler, Sequence, Status
 from tformer.inference.speculative import Drafter, SpeculativeStats, accept_draft, check_draft
 from tformer.inference.text import Tokenizer
@@ -198,7 +198,7 @@ class Engine:
         logits = self.runner.logits(seqs, batch, views)  # (B, V)
         if self.drafter is not None:
             self.drafter.follow(seqs, batch)
-        greedy = logits.argmax(-1).tolist() if any(seq.params.greedy for seq in seqs) else None  # one call, not B
+        greedy = greedy_tokens(logits).tolist() if any(seq.params.greedy for seq in seqs) else None  # one call
         outputs = []
         for row, (seq, n) in enumerate(scheduled):
             self.scheduler.update_from_output(seq, n)

@@ -103,6 +103,33 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.softmax(filter_logits(scaled, params.top_k, params.top_p), -1)
 
 
+# torch's CPU argmax walks a row one element at a time: 96 us for SmolLM2's 49,152 logits at one row and 2.3 ms at
+# 32 rows, 3-7% of a 32-request decode step (2 threads, an Intel Xeon without AMX, 2026-12-03). The largest logit
+# of each 128-logit chunk (amax, vectorized), the first chunk holding the row's largest, then the first index inside
+# that chunk: the same index in 46 us and 0.38 ms.
+ARGMAX_CHUNK = 128
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` of (B, V) logits, index for index (the first of equal largest values; a NaN counts as
+    the largest, as in torch), computed a chunk of `ARGMAX_CHUNK` logits at a time."""
+    rows, vocab = logits.shape
+    whole = vocab - vocab % ARGMAX_CHUNK
+    if whole == 0:
+        return logits.argmax(-1)
+    chunks = logits[:, :whole].reshape(rows, whole // ARGMAX_CHUNK, ARGMAX_CHUNK)
+    best_chunk = chunks.amax(-1).argmax(-1)  # (B,): amax keeps a NaN, and argmax takes the first NaN as largest
+    row = torch.arange(rows, device=logits.device)
+    best = best_chunk * ARGMAX_CHUNK + chunks[row, best_chunk].argmax(-1)
+    if whole == vocab:
+        return best
+    tail = logits[:, whole:]  # the last vocab % ARGMAX_CHUNK logits win only when strictly larger (or a first NaN)
+    tail_best = tail.argmax(-1)
+    value, tail_value = logits[row, best], tail[row, tail_best]
+    tail_wins = (tail_value > value) | (tail_value.isnan() & ~value.isnan())
+    return torch.where(tail_wins, whole + tail_best, best)
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from one row of logits (V,)."""
     if params.greedy:
