@@ -20,6 +20,7 @@ constexpr int64_t BLOCK = 32;   // input columns a chunk holds; each row has one
 constexpr int64_t CHUNK = 320;  // bytes a chunk: 256 of 4-bit weights, 16 fp16 scales, 16 fp16 minimums
 constexpr int64_t ROWS = 4;     // input rows that share each chunk once it is unpacked into registers
 constexpr int64_t PREFETCH_AHEAD = 8 * CHUNK;  // bytes ahead of the chunk a one-row product reads: see tile_rows
+constexpr int64_t PREFETCH_L2_AHEAD = 64 * CHUNK;  // and into the L2 cache alone, further ahead (AVX-512 loop)
 
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = uint32_t(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
@@ -117,7 +118,10 @@ static void quantize_blocks(const T* x, int64_t count, int8_t* q, float* d, floa
 // At one row the weights stream from memory, so it asks for the chunk 8 ahead, as `tile_row_avx2` does: SmolLM2's
 // four INT4 layers went from 180-198 to 135-175 us a layer on an Intel Xeon without AMX (2 threads, weights out of
 // the CPU's caches, one process alternating both builds; 4 chunks ahead 147-176, 16 ahead 131-180), and batch-1
-// decode from 94.0 to 101.5 tok/s (medians of 630 steps, the two builds alternating every two steps).
+// decode from 94.0 to 101.5 tok/s (medians of 630 steps, the two builds alternating every two steps). Asking for the
+// chunk 64 ahead into L2 as well (a later session, the same machine): 97.6 -> 84.2 and 92.7 -> 81.6 us a layer (32
+// ahead 91.7-118.6, 128 ahead 83.3-87.4; 64 ahead into L2 alone 96.3-120.6, no better), batch-1 decode 107.8 -> 111.0
+// and 126.6 -> 132.0 tok/s. The AVX2 loop, tuned on another machine, does not do it (not measured there).
 template <int R, typename T>
 static inline void tile_rows(const uint8_t* w_tile, int64_t blocks, const int8_t* q, const float* d,
                              const float* sums, int64_t K, int64_t N, T* out) {
@@ -126,7 +130,10 @@ static inline void tile_rows(const uint8_t* w_tile, int64_t blocks, const int8_t
     const __m512i low_half = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* chunk = w_tile + b * CHUNK;
-        if constexpr (R == 1) prefetch(chunk + PREFETCH_AHEAD, CHUNK);
+        if constexpr (R == 1) {
+            prefetch(chunk + PREFETCH_AHEAD, CHUNK);
+            prefetch(chunk + PREFETCH_L2_AHEAD, CHUNK, true);
+        }
         __m512i low[4], high[4];
         for (int j = 0; j < 4; ++j) {
             const __m512i bytes = _mm512_loadu_si512(chunk + 64 * j);

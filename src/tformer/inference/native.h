@@ -138,8 +138,15 @@ static inline void store16(uint16_t* p, __m512 v) {  // 16 bfloat16s, rounded as
 #endif
 
 #if defined(__AVX512F__) || defined(TFORMER_AVX2)
-// Asks the CPU to bring `bytes` from `at` into its caches, a 64-byte line at a time, ahead of the loads that read them.
-static inline void prefetch(const void* at, int64_t bytes) {
-    for (int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(static_cast<const char*>(at) + byte, _MM_HINT_T0);
+// Asks the CPU to bring `bytes` from `at` into its caches, a 64-byte line at a time, ahead of the loads that read them:
+// into the L1 cache, or with `l2_only` into L2 alone, which keeps more lines in flight and so can reach further ahead.
+static inline void prefetch(const void* at, int64_t bytes, bool l2_only = false) {
+    const char* line = static_cast<const char*>(at);
+    for (int64_t byte = 0; byte < bytes; byte += 64) {
+        if (l2_only)
+            _mm_prefetch(line + byte, _MM_HINT_T1);
+        else
+            _mm_prefetch(line + byte, _MM_HINT_T0);
+    }
 }
 #endif
