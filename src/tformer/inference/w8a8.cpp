@@ -16,8 +16,8 @@ using torch::stable::Tensor;
 
 constexpr int64_t TILE = 16;  // output rows a tile holds; its bytes: K/4 groups of 16 rows x 4 columns
 constexpr int64_t ROWS = 4;   // input rows that share each weight load
-constexpr int64_t PREFETCH_AHEAD = 2048;  // bytes ahead in a tile's weights: the 49152-row head at 1 row, 2 cores
-// (2026-12-02): 577-759 us at 2048, 610-663 at 4096, 871 at 512, 986 without, against fbgemm's 645-1072
+// Bytes ahead in a tile's weights to ask for, into L1 and, further ahead, into L2 alone (AVX-512 loop): docs/engine.md
+constexpr int64_t PREFETCH_AHEAD = 2048, PREFETCH_L2_AHEAD = 16384;
 
 // The stored byte of weight (n, k): q + 128, so that the dot products read weights as unsigned bytes.
 static inline int weight_at(const uint8_t* w, int64_t padded_k, int64_t n, int64_t k) {
@@ -138,6 +138,7 @@ static inline void tiles_rows(const uint8_t* w, int64_t padded_k, const int8_t* 
         for (int t = 0; t < TILES; ++t) {
             const uint8_t* at = tile + t * TILE * padded_k + k4 * 64;
             _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_AHEAD), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_L2_AHEAD), _MM_HINT_T1);
             weights[t] = _mm512_loadu_si512(at);
         }
         for (int r = 0; r < R; ++r) {
