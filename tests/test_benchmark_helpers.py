@@ -53,3 +53,12 @@ def test_thread_cpu_seconds_matches_the_threads_own_clock():
         pass
     spent = common.thread_cpu_seconds(os.getpid())[tid] - before
     assert abs(spent - (time.thread_time() - clock)) <= 2 * tick + 0.01
+
+
+def test_step_ab_alternates_two_steps_each_and_rates_whole_windows():
+    import step_ab
+
+    assert [step_ab.variant_at(step, 0) for step in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [step_ab.variant_at(step, 1) for step in range(4)] == [1, 1, 0, 0]
+    steps = [(0, 2.0), (0, 1.0), (1, 1.0), (1, 0.5), (1, 4.0), (1, 2.0), (0, 1.0), (0, 1.0), (0, 9.0)]
+    assert step_ab.window_ratios(steps) == [3.0 / 1.5, 2.0 / 6.0]  # the trailing step makes no window
