@@ -119,7 +119,7 @@ static void quantize_blocks(const T* x, int64_t count, int8_t* q, float* d, floa
 // four INT4 layers went from 180-198 to 135-175 us a layer on an Intel Xeon without AMX (2 threads, weights out of
 // the CPU's caches, one process alternating both builds; 4 chunks ahead 147-176, 16 ahead 131-180), and batch-1
 // decode from 94.0 to 101.5 tok/s (medians of 630 steps, the two builds alternating every two steps). Asking for the
-// chunk 64 ahead into L2 as well (a later session, the same machine): 97.6 -> 84.2 and 92.7 -> 81.6 us a layer (32
+// chunk 64 ahead into L2 as well (session 25, the same machine): 97.6 -> 84.2 and 92.7 -> 81.6 us a layer (32
 // ahead 91.7-118.6, 128 ahead 83.3-87.4; 64 ahead into L2 alone 96.3-120.6, no better), batch-1 decode 107.8 -> 111.0
 // and 126.6 -> 132.0 tok/s. The AVX2 loop, tuned on another machine, does not do it (not measured there).
 template <int R, typename T>

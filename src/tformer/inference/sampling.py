@@ -104,9 +104,9 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 # torch's CPU argmax walks a row one element at a time: 96 us for SmolLM2's 49,152 logits at one row and 2.3 ms at
-# 32 rows, 3-7% of a 32-request decode step (2 threads, an Intel Xeon without AMX, 2026-12-03). The largest logit
-# of each 128-logit chunk (amax, vectorized), the first chunk holding the row's largest, then the first index inside
-# that chunk: the same index in 46 us and 0.38 ms.
+# 32 rows, 3% of the 32-request run under the torch profiler (2 threads, an Intel Xeon without AMX, 2026-12-03). The
+# largest logit of each 128-logit chunk (amax, vectorized), the first chunk holding the row's largest, then the first
+# index inside that chunk: the same index in 46 us and 0.38 ms.
 ARGMAX_CHUNK = 128
 
 
