@@ -265,15 +265,19 @@ class PagedKVCache:
                 layer_k[copy.dst * bs : (copy.dst + 1) * bs] = layer_k[copy.src * bs : (copy.src + 1) * bs]
                 layer_v[copy.dst * bs : (copy.dst + 1) * bs] = layer_v[copy.src * bs : (copy.src + 1) * bs]
 
-    def slots(self, tables: list[list[int]], positions: torch.Tensor) -> torch.Tensor:
-        """Physical slots (B, T) of logical positions (B, T) through each row's block table; -1 stays -1."""
+    @staticmethod
+    def block_table(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+        """The rows' block tables as one (B, widest) tensor, padded with block 0; a FREED block reads as block 0 too
+        (it is never read unmasked: any block will do)."""
         width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)  # (B, n_blocks)
-        padded = padded.clamp(min=0).to(positions.device)  # a FREED block is never read unmasked: any block will do
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).clamp(min=0).to(device)
+
+    def slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Physical slots (B, T) of logical positions (B, T) through `block_table`'s rows; -1 stays -1."""
         valid = positions >= 0
         pos = positions.clamp(min=0)
-        block_index = (pos // self.block_size).clamp(max=width - 1)
-        slots = padded.gather(1, block_index) * self.block_size + pos % self.block_size
+        block_index = (pos // self.block_size).clamp(max=table.shape[1] - 1)
+        slots = table.gather(1, block_index) * self.block_size + pos % self.block_size
         return slots.masked_fill(~valid, -1)
 
     def step_views(self, tables: list[list[int]], positions: torch.Tensor) -> list[PagedLayerKV]:
@@ -283,20 +287,20 @@ class PagedKVCache:
         sliding window from its first query's window start (n_keys then spans the widest row's window and new
         tokens). Positions a row has not reached yet are masked by causality, those before its window by the window.
         """
-        key_starts = None
-        if self.window is None:
+        table, key_starts = self.block_table(tables, positions.device), None
+        if self.window is None:  # every row reads positions 0 .. n_keys - 1: its blocks' slots in order
             n_keys = int(positions.max()) + 1
-            key_positions = torch.arange(n_keys, device=positions.device).expand(len(tables), n_keys)
+            keys = torch.arange(n_keys, device=positions.device)
+            read_slots = table[:, keys // self.block_size] * self.block_size + keys % self.block_size  # (B, n_keys)
         else:
             first = torch.where(positions >= 0, positions, positions.max()).min(dim=1).values  # (B,)
             key_starts = (first - self.window + 1).clamp(min=0)[:, None]  # (B, 1)
             n_keys = int((positions.max(dim=1, keepdim=True).values + 1 - key_starts).max())
-            key_positions = key_starts + torch.arange(n_keys, device=positions.device)  # (B, n_keys)
-        write_slots = self.slots(tables, positions).reshape(-1)
-        keep = write_slots >= 0
-        if bool(keep.all()):  # no padding (e.g. a decode step): no row selection in every layer
+            read_slots = self.slots(table, key_starts + torch.arange(n_keys, device=positions.device))  # (B, n_keys)
+        write_slots = self.slots(table, positions).reshape(-1)
+        keep = None if positions.shape[1] == 1 else write_slots >= 0  # a decode step writes one token a row
+        if keep is not None and bool(keep.all()):  # no padding: no row selection in every layer
             keep = None
-        read_slots = self.slots(tables, key_positions)  # (B, n_keys)
         if keep is not None:
             write_slots = write_slots[keep]
         key_lengths = None  # a decode step: each row reads keys 0..position in place (paged_decode_attention)
