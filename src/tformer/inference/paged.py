@@ -297,19 +297,16 @@ class PagedKVCache:
             key_starts = (first - self.window + 1).clamp(min=0)[:, None]  # (B, 1)
             n_keys = int((positions.max(dim=1, keepdim=True).values + 1 - key_starts).max())
             read_slots = self.slots(table, key_starts + torch.arange(n_keys, device=positions.device))  # (B, n_keys)
-        write_slots = self.slots(table, positions).reshape(-1)
-        keep = None if positions.shape[1] == 1 else write_slots >= 0  # a decode step writes one token a row
-        if keep is not None and bool(keep.all()):  # no padding: no row selection in every layer
-            keep = None
-        if keep is not None:
-            write_slots = write_slots[keep]
+        write_slots, keep = self.slots(table, positions).reshape(-1), None
+        decode = positions.shape[1] == 1  # one token a row: no padding to drop
+        if not decode:
+            keep = write_slots >= 0
+            if bool(keep.all()):  # no padding: no row selection in every layer
+                keep = None
+            else:
+                write_slots = write_slots[keep]
         key_lengths = None  # a decode step: each row reads keys 0..position in place (paged_decode_attention)
-        if (
-            positions.shape[1] == 1
-            and keep is None
-            and key_starts is None
-            and supports(self.k[0].dtype, positions.device)
-        ):
+        if decode and key_starts is None and supports(self.k[0].dtype, positions.device):
             key_lengths = positions[:, 0] + 1
         return [
             PagedLayerKV(k, v, write_slots, keep, read_slots, key_starts, key_lengths)
