@@ -8,7 +8,7 @@ from conftest import make_model, tiny_config
 from helpers import chi_square, reference_greedy
 
 from tformer.inference.sampling import RequestError, SamplingParams
-from tformer.inference.speculative import SpeculativeStats, accept_draft, speculative_generate
+from tformer.inference.speculative import SpeculativeStats, accept_draft, accept_greedy, speculative_generate
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9] * 13, [1]]
 
@@ -43,6 +43,17 @@ def test_rejection_scheme_reproduces_the_target_distribution() -> None:
     counts = torch.bincount(torch.tensor(firsts), minlength=4).float()
     assert chi_square(counts, p[0]) < 16.3  # 0.999 quantile, 3 degrees of freedom
     assert chi_square(counts, q[0]) > 100  # and it is not the draft's distribution
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_acceptance_is_the_rejection_scheme_on_one_hot_distributions(seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    k, vocab = 4, 3  # a small vocabulary, so drafts often match and often do not
+    drafts = torch.randint(vocab, (k,), generator=generator).tolist()
+    target = torch.randint(vocab, (k + 1,), generator=generator).tolist()
+    q = torch.nn.functional.one_hot(torch.tensor(drafts), vocab).float()
+    p = torch.nn.functional.one_hot(torch.tensor(target), vocab).float()
+    assert accept_greedy(drafts, target) == accept_draft(drafts, q, p, torch.Generator().manual_seed(0))
 
 
 def test_sampled_speculation_follows_the_target_distribution() -> None:

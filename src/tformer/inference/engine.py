@@ -34,7 +34,7 @@ from tformer.inference.requests import InputProcessor, Request
 from tformer.inference.runner import StepBatch, group_by_width, make_runner
 from tformer.inference.sampling import RequestError, SamplingParams, greedy_tokens, sample_token, sampling_probs
 from tformer.inference.scheduler import Scheduler, Sequence, Status
-from tformer.inference.speculative import Drafter, SpeculativeStats, accept_draft, check_draft
+from tformer.inference.speculative import Drafter, SpeculativeStats, accept_draft, accept_greedy, check_draft
 from tformer.inference.text import Tokenizer
 from tformer.models import DecoderLM, TransformerModel
 
@@ -242,9 +242,14 @@ class Engine:
         logits = self.runner.logits(seqs, batch, views, every_position=True)  # (B, 1 + drafts, V)
         self.speculative.target_calls += 1
         outputs = []
+        greedy = any(seq.params.greedy for seq in seqs)
+        best = greedy_tokens(logits.flatten(0, 1)).view(logits.shape[:2]).tolist() if greedy else None  # one call
         for row, (seq, drafted, q) in enumerate(zip(seqs, proposals, draft_probs, strict=True)):
-            p = torch.stack([sampling_probs(logits[row, i], seq.params) for i in range(len(drafted) + 1)])
-            kept = accept_draft(drafted, q, p, seq.generator)
+            if best is not None and seq.params.greedy:
+                kept = accept_greedy(drafted, best[row][: len(drafted) + 1])
+            else:
+                p = torch.stack([sampling_probs(logits[row, i], seq.params) for i in range(len(drafted) + 1)])
+                kept = accept_draft(drafted, q, p, seq.generator)
             self.speculative.proposed += len(drafted)
             self.speculative.accepted += len(kept) - 1
             # the pending token and the accepted drafts are computed; the last kept token is pending

@@ -24,7 +24,7 @@ import torch
 from tformer.errors import ConfigError
 from tformer.inference.paged import PagedKVCache
 from tformer.inference.runner import DecoderRunner, StepBatch
-from tformer.inference.sampling import RequestError, SamplingParams, make_generator, sampling_probs
+from tformer.inference.sampling import RequestError, SamplingParams, greedy_tokens, make_generator, sampling_probs
 from tformer.inference.scheduler import Sequence
 from tformer.models import DecoderLM, TransformerModel
 
@@ -44,6 +44,17 @@ def accept_draft(
         choice = residual / total if total > 0 else target_probs[i]
         return kept + [int(torch.multinomial(choice, 1, generator=generator))]
     return kept + [int(torch.multinomial(target_probs[len(draft_tokens)], 1, generator=generator))]
+
+
+def accept_greedy(draft_tokens: list[int], target_tokens: list[int]) -> list[int]:
+    """What `accept_draft` keeps when p and q are one-hot (greedy): the drafts up to the first one that is not
+    the target's argmax at its position, then the target's argmax there. target_tokens has k + 1 entries."""
+    kept = []
+    for token, best in zip(draft_tokens, target_tokens[: len(draft_tokens)], strict=True):
+        if token != best:
+            break
+        kept.append(token)
+    return kept + [target_tokens[len(kept)]]
 
 
 @dataclass
@@ -111,10 +122,15 @@ def speculative_generate(
         ]
         logits = _feed(target, t_cache, fed, rows.target_cached)
         stats.target_calls += 1
+        best = greedy_tokens(logits.flatten(0, 1)).view(logits.shape[:2]).tolist() if params.greedy else None
         for b in (b for b, on in enumerate(active) if on):
             n_pending = len(fed[b]) - k  # tokens not yet in the target cache, before the proposal
-            p = torch.stack([sampling_probs(logits[b, n_pending - 1 + i], params) for i in range(k + 1)])
-            kept = accept_draft(proposals[b], q[b], p, generator)
+            if best is not None:
+                kept = accept_greedy(proposals[b], best[b][n_pending - 1 : n_pending + k])
+            else:
+                assert q is not None
+                p = torch.stack([sampling_probs(logits[b, n_pending - 1 + i], params) for i in range(k + 1)])
+                kept = accept_draft(proposals[b], q[b], p, generator)
             stats.proposed += k
             stats.accepted += len(kept) - 1
             rows.target_cached[b] = len(rows.ids[b]) + len(kept) - 1  # the last kept token is not cached yet
@@ -131,8 +147,9 @@ def _propose(
     params: SamplingParams,
     k: int,
     generator: torch.Generator | None,
-) -> tuple[list[list[int]], torch.Tensor]:
-    """k draft tokens per active row and the draft distributions they were drawn from, (B, k, V)."""
+) -> tuple[list[list[int]], torch.Tensor | None]:
+    """k draft tokens per active row and the draft distributions they were drawn from, (B, k, V); None when
+    greedy."""
     proposals: list[list[int]] = [[] for _ in rows.ids]
     dists = []
     for _ in range(k):
@@ -143,15 +160,16 @@ def _propose(
         ]
         logits = _feed(draft, cache, fed, starts)
         last = torch.tensor([max(len(f) - 1, 0) for f in fed], device=logits.device)
-        probs = torch.stack([sampling_probs(row, params) for row in logits[torch.arange(len(fed)), last]])  # (B, V)
+        next_logits = logits[torch.arange(len(fed)), last]  # (B, V)
+        if params.greedy:  # one-hot distributions: the argmax is all a greedy round needs
+            best = greedy_tokens(next_logits).tolist()
+        else:
+            dists.append(torch.stack([sampling_probs(row, params) for row in next_logits]))
         for b in (b for b, on in enumerate(active) if on):
-            token = (
-                int(probs[b].argmax()) if params.greedy else int(torch.multinomial(probs[b], 1, generator=generator))
-            )
+            token = best[b] if params.greedy else int(torch.multinomial(dists[-1][b], 1, generator=generator))
             proposals[b].append(token)
             rows.draft_cached[b] = starts[b] + len(fed[b])
-        dists.append(probs)
-    return proposals, torch.stack(dists, 1)
+    return proposals, torch.stack(dists, 1) if dists else None
 
 
 class Drafter:
@@ -175,7 +193,8 @@ class Drafter:
 
     def propose(self, seqs: list[Sequence], lengths: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
         """lengths[i] draft tokens for each sequence (one forward per token, over the rows still drafting) and
-        the distributions they were drawn from, (lengths[i], V), by each sequence's own sampling parameters.
+        the distributions they were drawn from, (lengths[i], V), by each sequence's own sampling parameters
+        (empty for a greedy sequence, whose drafts are the draft's argmax).
 
         Each sequence's pending token (and any token the draft has not seen yet) is fed first.
         """
@@ -189,12 +208,15 @@ class Drafter:
             batch = StepBatch.build(chunks, starts, device)
             views = self.kv.step_views([seqs[b].table for b in rows], batch.positions)
             logits = self.runner.logits([seqs[b] for b in rows], batch, views)  # (R, V)
+            best = greedy_tokens(logits).tolist() if any(seqs[b].params.greedy for b in rows) else None  # one call
             for j, b in enumerate(rows):
                 seq = seqs[b]
-                q = sampling_probs(logits[j], seq.params)
-                token = int(q.argmax()) if seq.params.greedy else int(torch.multinomial(q, 1, generator=seq.generator))
-                proposals[b].append(token)
-                dists[b].append(q)
+                if best is not None and seq.params.greedy:  # a one-hot q: its argmax is all acceptance reads
+                    proposals[b].append(best[j])
+                else:
+                    q = sampling_probs(logits[j], seq.params)
+                    proposals[b].append(int(torch.multinomial(q, 1, generator=seq.generator)))
+                    dists[b].append(q)
                 seq.draft_computed = starts[j] + len(chunks[j])
         return proposals, [torch.stack(d) if d else torch.empty(0) for d in dists]
 
