@@ -1,6 +1,5 @@
-// W8A8: int8 weights per output channel times int8 activations per token, on the CPU's integer dot products: see
-// w8a8.py for the format. Built by tformer.inference.native.load with the machine's C++ compiler (-O3
-// -march=native -fopenmp), against torch's stable C ABI, which registers the op at the end.
+// W8A8: int8 weights per output channel times int8 activations per token, on the CPU's integer dot products (format:
+// w8a8.py). Built by native.load (-O3 -march=native -fopenmp) against torch's stable C ABI, which registers the op.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -123,33 +122,33 @@ static void quantize_row(const T* x, int64_t K, int64_t padded_k, QuantRow row, 
     }
 }
 
-// Output rows n0 .. n0 + 16 * TILES - 1 for R input rows; each 64-byte weight load feeds R dot products. On an Intel
-// Xeon without AMX (2026-12-03, one process alternating the builds): 8 rows instead of 4 made SmolLM2's four layer
-// shapes 7-9% faster at 8-32 rows, and 2 instead of 1 its head at batch 1 (two rounded rows) 782-836 -> 609-676 us.
+// Output rows n0 .. n0 + 16 * TILES - 1 for R input rows; each 64-byte weight load feeds R dot products. Unrolled, and
+// without GCC's partial redundancy elimination, which copied every accumulator twice a step (docs/engine.md).
+#pragma GCC push_options
+#pragma GCC optimize("no-tree-pre")
 template <int R, int TILES, typename T>
 static inline void tiles_rows(const uint8_t* w, int64_t padded_k, const int8_t* q, const float* row_scales,
                               const int32_t* offsets, const float* scales, int64_t N, int64_t n0, T* out) {
-    __m512i acc[TILES][R];
-    for (int t = 0; t < TILES; ++t)
-        for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_si512();
+    __m512i acc[TILES][R] = {};  // zeros
     const uint8_t* tile = w + (n0 / TILE) * TILE * padded_k;
     for (int64_t k4 = 0; k4 < padded_k / 4; ++k4) {
         __m512i weights[TILES];
-        for (int t = 0; t < TILES; ++t) {
+        TFORMER_UNROLLED for (int t = 0; t < TILES; ++t) {
             const uint8_t* at = tile + t * TILE * padded_k + k4 * 64;
             _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_AHEAD), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_L2_AHEAD), _MM_HINT_T1);
             weights[t] = _mm512_loadu_si512(at);
         }
-        for (int r = 0; r < R; ++r) {
+        TFORMER_UNROLLED for (int r = 0; r < R; ++r) {
             const __m512i quad = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(q + r * padded_k)[k4]);
-            for (int t = 0; t < TILES; ++t) acc[t][r] = _mm512_dpbusd_epi32(acc[t][r], weights[t], quad);
+            TFORMER_UNROLLED for (int t = 0; t < TILES; ++t)
+                acc[t][r] = _mm512_dpbusd_epi32(acc[t][r], weights[t], quad);
         }
     }
-    for (int t = 0; t < TILES; ++t) {
+    TFORMER_UNROLLED for (int t = 0; t < TILES; ++t) {
         const int64_t n = n0 + t * TILE;
         const __m512 column_scales = _mm512_loadu_ps(scales + n);
-        for (int r = 0; r < R; ++r) {
+        TFORMER_UNROLLED for (int r = 0; r < R; ++r) {
             const __m512i dot = _mm512_sub_epi32(acc[t][r], _mm512_set1_epi32(offsets[r]));
             const __m512 scale = _mm512_mul_ps(column_scales, _mm512_set1_ps(row_scales[r]));
             const __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scale);
@@ -163,6 +162,7 @@ static inline void tiles_rows(const uint8_t* w, int64_t padded_k, const int8_t* 
         }
     }
 }
+#pragma GCC pop_options
 
 template <int TILES, typename T>
 static inline void all_rows(const uint8_t* w, int64_t padded_k, const int8_t* q, const float* row_scales,
