@@ -98,7 +98,8 @@ def one_request(engine: Engine, prompt: list[int], tokens: int, switch, times: d
 
 
 def many_requests(engine: Engine, requests: list[tuple[list[int], int]], switch, first: int) -> list[tuple[int, float]]:
-    """The requests arriving together; (version, seconds) of every engine step."""
+    """The requests arriving together on a fresh engine (as in engine_vs_hf.py: no prefix hits from an earlier run);
+    (version, seconds) of every engine step."""
     for prompt, tokens in requests:
         engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
     steps = []
@@ -143,10 +144,11 @@ def main() -> None:
         print(f"version 0 / version 1 step time: {medians[0] / medians[1]:.3f} (above 1: version 1 is faster)")
     else:
         requests = workload(tokenizer, 32)
-        many_requests(engine, requests, switch, 0)  # warm-up: compiles
+        many_requests(engine, requests, switch, 0)  # warm-up: compiles (engines over one model share the graphs)
         by_order: dict[int, list[float]] = {0: [], 1: []}
         for run in range(args.generations):
-            by_order[run % 2] += window_ratios(many_requests(engine, requests, switch, run % 2))
+            fresh = Engine(model, tokenizer, engine.config)
+            by_order[run % 2] += window_ratios(many_requests(fresh, requests, switch, run % 2))
         for first, ratios in by_order.items():
             faster = sum(ratio > 1 for ratio in ratios)
             print(
