@@ -7,7 +7,8 @@
 #include <new>
 #include <vector>
 
-// Unrolls the loop that follows completely (GCC and clang), so that small arrays of vector registers stay in registers.
+// Unrolls the loop that follows completely (GCC's unroll pragma; other compilers may ignore it), so that small
+// arrays of vector registers stay in registers.
 #define TFORMER_UNROLLED _Pragma("GCC unroll 16")
 
 static inline float to_float(float x) { return x; }
