@@ -54,7 +54,7 @@ def test_kernel_matches_the_formula(m: int, k: int, n: int, dtype: torch.dtype, 
 
 
 def test_a_rows_result_is_its_own_whatever_the_batch() -> None:
-    """Rows run through the kernel in fours and one by one, in one fixed order of operations for every row."""
+    """Rows run through the kernel in sixes, in fewer and one by one, in one fixed order of operations for every row."""
     packed = pack(*random_chunks(64, 256))
     x = torch.randn(11, 256, dtype=torch.bfloat16)
     together = int4_matmul(x, packed)
