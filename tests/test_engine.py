@@ -10,6 +10,7 @@ from helpers import DECODERS, prompts_of_mixed_lengths, reference_greedy
 from tformer.inference.engine import Engine, EngineConfig
 from tformer.inference.sampling import RequestError, SamplingParams
 from tformer.inference.search import beam_search, beam_search_decoder, greedy_search
+from tformer.layers import attention
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -93,29 +94,40 @@ def test_prefix_cache_hits_give_the_same_tokens() -> None:
     assert rest.token_ids == reference_greedy(model, prompts[2], 12)
 
 
-def test_whole_prompts_prefill_on_the_causal_path_and_continued_ones_on_the_mask(monkeypatch) -> None:
-    """A step of whole prompts (every row from position 0, padded on the right) needs no dense mask; a step with
-    a row that continues after cached tokens (a prefix hit) builds one. Both give the uncached tokens."""
-    calls: list[tuple[bool, bool]] = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+def test_prefill_steps_take_a_dense_mask_only_when_rows_continue_from_different_positions(monkeypatch) -> None:
+    """A step of whole prompts (every row from position 0, padded on the right) takes SDPA's causal path; a step of
+    one prompt continued after cached tokens (a prefix hit: its tokens are the last of its keys) takes
+    `causal_suffix_attention`; only a step whose rows continue from different positions builds a dense mask. All
+    give the uncached tokens."""
+    calls: list[tuple[bool, bool] | str] = []
+    sdpa, suffix = torch.nn.functional.scaled_dot_product_attention, attention.causal_suffix_attention
 
     def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
         if q.shape[2] > 1:  # prefill (decode steps attend in place or over one query)
             calls.append((attn_mask is not None, is_causal))
         return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
 
+    def suffix_spy(q, k, v):
+        calls.append("suffix")
+        return suffix(q, k, v)
+
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention, "causal_suffix_attention", suffix_spy)
     model = make_model(tiny_config("tiny-llama"))
     prompts = prompts_of_mixed_lengths(model.config.vocab_size, (9, 5, 14))
     engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=64))
     outputs = engine.generate(prompts, GREEDY)
     assert calls and all(call == (False, True) for call in calls)
     calls.clear()
-    continued = prompts[2] + [3, 4, 5]  # 12 of its tokens come from the cache: the step starts at position 12
-    continued_output = engine.generate([continued], GREEDY)[0]
+    continued = [prompt + [3, 4, 5] for prompt in prompts]
+    alone = engine.generate([continued[2]], GREEDY)[0]  # 12 of its tokens come from the cache: it starts at 12
+    assert calls and all(call == "suffix" for call in calls)
+    calls.clear()
+    together = engine.generate(continued[:2], GREEDY)  # from 8 and from 4, 4 tokens each
     assert calls and all(call == (True, False) for call in calls)
     assert [o.token_ids for o in outputs] == [reference_greedy(model, p, 12) for p in prompts]
-    assert continued_output.token_ids == reference_greedy(model, continued, 12)
+    assert alone.token_ids == reference_greedy(model, continued[2], 12)
+    assert [o.token_ids for o in together] == [reference_greedy(model, p, 12) for p in continued[:2]]
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-transformer"])

@@ -9,7 +9,7 @@ from conftest import make_model, tiny_config, tokens
 
 from tformer.errors import RequestError
 from tformer.layers import attention, masks
-from tformer.layers.attention import chunked_attention, math_attention
+from tformer.layers.attention import causal_suffix_attention, chunked_attention, long_attention, math_attention
 from tformer.layers.masks import AttentionMask
 from tformer.layers.positions import ALiBiPositions, sinusoidal_table
 from tformer.training.memory import LiveTensorTracker
@@ -84,6 +84,32 @@ def test_chunked_attention_equals_the_dense_reference(
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(chunked).all()
+
+
+@pytest.mark.parametrize("n_queries", [1, 5, 13])
+@pytest.mark.parametrize("n_kv_heads", [6, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_causal_suffix_attention_equals_the_dense_reference(
+    n_queries: int, n_kv_heads: int, dtype: torch.dtype
+) -> None:
+    """Queries at the last slots of 14 keys (a prompt's later chunk), without a bias: within 1e-5 of
+    softmax(QK^T/sqrt(d) + causal bias) V in fp32, within bf16's rounding (2^-7 of the largest output) in bf16;
+    `long_attention` takes this path for such a mask when no gradient is needed, and the blocks otherwise."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, n_queries, 16, generator=generator)
+    k = torch.randn(2, n_kv_heads, 14, 16, generator=generator) * 3  # peaked softmaxes as well as flat ones
+    v = torch.randn(2, n_kv_heads, 14, 16, generator=generator)
+    mask = AttentionMask(is_causal=True)
+    assert mask.causal_suffix()
+    expected = math_attention(q, k, v, mask, 0.0)[0]
+    out = causal_suffix_attention(q.to(dtype), k.to(dtype), v.to(dtype))
+    assert out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7 * expected.abs().max().item()
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=0)
+    with torch.no_grad():
+        assert torch.equal(long_attention(q, k, v, mask, 0.0), causal_suffix_attention(q, k, v))
+    q.requires_grad_(True)
+    torch.testing.assert_close(long_attention(q, k, v, mask, 0.0), expected, atol=1e-5, rtol=1e-5)
 
 
 MODEL_CASES = {  # preset, config overrides, left padding too (right padding alone takes SDPA's causal kernel)

@@ -36,12 +36,14 @@ from tformer.models.stack import StackInputs, engine_key_count
 @dataclass
 class StepBatch:
     """The tensors of one step: tokens and positions (B, T) with -1 positions as padding, last_index (B,);
-    `from_start` when every row's tokens start at position 0 (a batch of whole prompts)."""
+    `last_slots` when every row's tokens are the last of the keys it reads: all rows start at position 0 (whole
+    prompts, padded on the right), or, past one token a row, all start at one position with one length (one
+    prompt's later chunk)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     last_index: torch.Tensor
-    from_start: bool = False
+    last_slots: bool = False
 
     @classmethod
     def build(cls, chunks: list[list[int]], starts: list[int], device: torch.device) -> StepBatch:
@@ -53,15 +55,16 @@ class StepBatch:
             tokens[row, : len(chunk)] = torch.tensor(chunk)
             positions[row, : len(chunk)] = torch.arange(start, start + len(chunk))
         last_index = torch.tensor([len(chunk) - 1 for chunk in chunks])
-        from_start = not any(starts)
-        return cls(tokens.to(device), positions.to(device), last_index.to(device), from_start)
+        one_span = width > 1 and len(set(starts)) == 1 and all(len(chunk) == width for chunk in chunks)
+        last_slots = not any(starts) or one_span
+        return cls(tokens.to(device), positions.to(device), last_index.to(device), last_slots)
 
     def stack_inputs(self, caches: list[LayerCache]) -> StackInputs:
         """Where the batch's tokens sit for the decoder stack: each row at its own positions over the cache."""
         view = caches[0].self_attn
         key_starts = getattr(view, "key_starts", None)
         n_keys = engine_key_count(caches, self.positions)
-        return StackInputs.from_engine(self.positions, n_keys, key_starts, self.from_start)
+        return StackInputs.from_engine(self.positions, n_keys, key_starts, self.last_slots)
 
 
 def _last_hidden(hidden: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:

@@ -72,11 +72,14 @@ def long_attention(
 ) -> torch.Tensor:
     """Attention over too many query-key pairs for a dense bias, in memory linear in the length.
 
-    Padding alone needs no blocks: a bidirectional layer passes SDPA a (B, 1, 1, Tk) bias, and a causal one over
-    right-padded rows needs no padding rule at all (a real token's earlier keys are all real; the padding
+    Queries at the last slots under causality alone (a prompt's later chunk) take `causal_suffix_attention` on
+    the CPU. Padding alone needs no blocks: a bidirectional layer passes SDPA a (B, 1, 1, Tk) bias, and a causal
+    one over right-padded rows needs no padding rule at all (a real token's earlier keys are all real; the padding
     queries' outputs are never read), so SDPA's causal kernel runs. Anything else goes through chunked_attention.
     """
     n_queries, n_keys = q.shape[2], k.shape[2]
+    if mask.causal_suffix() and q.device.type == "cpu" and not dropout_p and not _needs_grad(q, k, v):
+        return causal_suffix_attention(q, k, v)
     padding = mask.key_padding
     other_rules = (mask.window, mask.query_slots, mask.prefix_lengths, mask.position_bias)
     if padding is not None and all(rule is None for rule in other_rules):
@@ -88,6 +91,33 @@ def long_attention(
         if n_queries == n_keys and bool((padding[:, 1:] <= padding[:, :-1]).all()):  # right padding only
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
     return chunked_attention(q, k, v, mask, dropout_p)
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def causal_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of queries (B, H, Tq, D) at the last Tq of Tk key slots, with no bias: a prompt's later
+    chunk over the cache. Every query sees all Tk - Tq earlier keys, in one unmasked call of torch's CPU flash
+    kernel with the query heads that share a KV head stacked as rows (their keys read once); the last Tq keys form
+    a square, where the kernel's causal flag skips the masked blocks. The two parts merge by the log-sum-exps the
+    kernel returns, as flash attention merges its blocks.
+
+    One 512-token chunk of SmolLM2 (9 query heads on 3 KV heads) over 3,792 keys in bf16, 2 threads on an Intel
+    Xeon with AVX512-VNNI (medians of 15, alternating): 27.6 ms against 33.0 for a bias block and one call
+    (2026-12-04); the prefix part alone took 19.6 ms stacked against 23.1 through SDPA's GQA.
+    """
+    B, H, T, D = q.shape
+    n_kv, n_earlier = k.shape[1], k.shape[2] - T
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    stacked = q.reshape(B, n_kv, H // n_kv * T, D)  # query heads h * n_rep .. read KV head h, as in repeat_kv
+    earlier, earlier_lse = flash(stacked, k[:, :, :n_earlier], v[:, :, :n_earlier], 0.0, False)
+    own, own_lse = flash(q, k[:, :, n_earlier:], v[:, :, n_earlier:], 0.0, True)
+    earlier, earlier_lse = earlier.reshape(B, H, T, D), earlier_lse.reshape(B, H, T)
+    lse = torch.logaddexp(earlier_lse, own_lse)
+    out = earlier.float() * (earlier_lse - lse).exp()[..., None] + own.float() * (own_lse - lse).exp()[..., None]
+    return out.to(q.dtype)
 
 
 def chunked_attention(

@@ -54,6 +54,11 @@ class AttentionMask:
         rules = (self.key_padding, self.global_tokens, self.window, self.prefix_lengths, self.position_bias)
         return self.is_causal and all(rule is None for rule in rules)
 
+    def causal_suffix(self) -> bool:
+        """Whether causality is the only rule and the queries are the last Tq slots: each query sees every earlier
+        key and itself, which kernels do without a bias (see `causal_suffix_attention`)."""
+        return self.causal_only() and self.query_slots is None
+
     def fast_causal(self) -> bool:
         """Whether a kernel's own causal flag applies: causal, with no bias built and no other rule."""
         return self.is_causal and self.bias is None
@@ -131,7 +136,8 @@ def build_mask(
 
     `key_padding` (B, Tk) is True for real tokens. `position_bias(query_positions, key_positions)` adds a per-head
     bias (ALiBi). A window at least as long as the keys is no rule at all. The dense bias is built here, once,
-    only when it is small (DENSE_BIAS_MAX_ENTRIES); otherwise kernels build it by blocks.
+    only when it is small (DENSE_BIAS_MAX_ENTRIES) and a kernel needs it; otherwise kernels build it by blocks.
+    Queries that are the last slots under causality alone (a prompt's later chunk) need none.
     """
     if window is not None and window >= n_keys:
         window = None
@@ -146,6 +152,7 @@ def build_mask(
         query_positions=query_positions,
         key_positions=key_positions,
     )
-    if mask.needs_bias(n_queries, n_keys) and n_queries * n_keys <= DENSE_BIAS_MAX_ENTRIES:
+    small = n_queries * n_keys <= DENSE_BIAS_MAX_ENTRIES
+    if mask.needs_bias(n_queries, n_keys) and small and not (mask.causal_suffix() and n_queries > 1):
         mask.bias = mask.bias_block(0, n_queries, 0, n_keys, n_queries, n_keys, dtype, device)
     return mask

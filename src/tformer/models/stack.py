@@ -68,19 +68,19 @@ class StackInputs:
 
     @classmethod
     def from_engine(
-        cls, positions: torch.Tensor, n_keys: int, key_starts: torch.Tensor | None = None, from_start: bool = False
+        cls, positions: torch.Tensor, n_keys: int, key_starts: torch.Tensor | None = None, last_slots: bool = False
     ) -> StackInputs:
         """The engine's batch: `positions` (B, T) places each row's tokens (-1 marks padding) over `n_keys` keys.
 
         Row b's keys are positions key_starts[b] .. key_starts[b] + n_keys - 1 (`key_starts` (B, 1), for a sliding
-        window; None: from 0). The engine's sequences start at position 0, with no padding inside. `from_start`:
-        every row's tokens start at position 0 (whole prompts, padded on the right), so each real token's slot is
-        its column and causality alone masks: attention then takes the kernels' causal path, with no dense mask
-        (SmolLM2's prefill attention, 32 prompts of 50-128 tokens: 0.33 s of a 3.3 s run with the mask).
+        window; None: from 0). The engine's sequences start at position 0, with no padding inside. `last_slots`:
+        each row's real tokens are the last T of its keys' slots (whole prompts padded on the right, or rows of one
+        start and length), so causality alone masks and attention needs no dense mask (SmolLM2's prefill
+        attention, 32 prompts of 50-128 tokens: 0.33 s of a 3.3 s run with the mask).
         """
         real_positions = positions.clamp(min=0)
         key_positions = torch.arange(n_keys, device=positions.device)[None]
-        query_slots = None if from_start and key_starts is None else real_positions
+        query_slots = None if last_slots and key_starts is None else real_positions
         if key_starts is not None:
             key_positions = key_positions + key_starts
             query_slots = (real_positions - key_starts).clamp(min=0)
