@@ -137,7 +137,8 @@ def build_mask(
     `key_padding` (B, Tk) is True for real tokens. `position_bias(query_positions, key_positions)` adds a per-head
     bias (ALiBi). A window at least as long as the keys is no rule at all. The dense bias is built here, once,
     only when it is small (DENSE_BIAS_MAX_ENTRIES) and a kernel needs it; otherwise kernels build it by blocks.
-    Queries that are the last slots under causality alone (a prompt's later chunk) need none.
+    Queries that are the last slots under causality alone (a prompt's later chunk) need none on the CPU without
+    gradients.
     """
     if window is not None and window >= n_keys:
         window = None
@@ -153,6 +154,8 @@ def build_mask(
         key_positions=key_positions,
     )
     small = n_queries * n_keys <= DENSE_BIAS_MAX_ENTRIES
-    if mask.needs_bias(n_queries, n_keys) and small and not (mask.causal_suffix() and n_queries > 1):
+    # the CPU's inference path attends to a causal suffix without one (attention.causal_suffix_attention)
+    suffix = mask.causal_suffix() and n_queries > 1 and device.type == "cpu" and not torch.is_grad_enabled()
+    if mask.needs_bias(n_queries, n_keys) and small and not suffix:
         mask.bias = mask.bias_block(0, n_queries, 0, n_keys, n_queries, n_keys, dtype, device)
     return mask
