@@ -36,9 +36,8 @@ from tformer.models.stack import StackInputs, engine_key_count
 @dataclass
 class StepBatch:
     """The tensors of one step: tokens and positions (B, T) with -1 positions as padding, last_index (B,);
-    `last_slots` when every row's tokens are the last of the keys it reads: all rows start at position 0 (whole
-    prompts, padded on the right), or, past one token a row, all start at one position with one length (one
-    prompt's later chunk)."""
+    `last_slots` when every row's tokens sit in the last columns of the keys: all rows start at one position
+    and are padded on the right (whole prompts from 0; past one token a row, chunks after cached tokens)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -55,8 +54,7 @@ class StepBatch:
             tokens[row, : len(chunk)] = torch.tensor(chunk)
             positions[row, : len(chunk)] = torch.arange(start, start + len(chunk))
         last_index = torch.tensor([len(chunk) - 1 for chunk in chunks])
-        one_span = width > 1 and len(set(starts)) == 1 and all(len(chunk) == width for chunk in chunks)
-        last_slots = not any(starts) or one_span
+        last_slots = not any(starts) or (width > 1 and len(set(starts)) == 1)
         return cls(tokens.to(device), positions.to(device), last_index.to(device), last_slots)
 
     def stack_inputs(self, caches: list[LayerCache]) -> StackInputs:

@@ -136,9 +136,7 @@ def build_mask(
 
     `key_padding` (B, Tk) is True for real tokens. `position_bias(query_positions, key_positions)` adds a per-head
     bias (ALiBi). A window at least as long as the keys is no rule at all. The dense bias is built here, once,
-    only when it is small (DENSE_BIAS_MAX_ENTRIES) and a kernel needs it; otherwise kernels build it by blocks.
-    Queries that are the last slots under causality alone (a prompt's later chunk) need none on the CPU without
-    gradients.
+    only when it is small (DENSE_BIAS_MAX_ENTRIES); otherwise kernels build it by blocks.
     """
     if window is not None and window >= n_keys:
         window = None
@@ -153,9 +151,6 @@ def build_mask(
         query_positions=query_positions,
         key_positions=key_positions,
     )
-    small = n_queries * n_keys <= DENSE_BIAS_MAX_ENTRIES
-    # the CPU's inference path attends to a causal suffix without one (attention.causal_suffix_attention)
-    suffix = mask.causal_suffix() and n_queries > 1 and device.type == "cpu" and not torch.is_grad_enabled()
-    if mask.needs_bias(n_queries, n_keys) and small and not suffix:
+    if mask.needs_bias(n_queries, n_keys) and n_queries * n_keys <= DENSE_BIAS_MAX_ENTRIES:
         mask.bias = mask.bias_block(0, n_queries, 0, n_keys, n_queries, n_keys, dtype, device)
     return mask

@@ -74,9 +74,9 @@ class StackInputs:
 
         Row b's keys are positions key_starts[b] .. key_starts[b] + n_keys - 1 (`key_starts` (B, 1), for a sliding
         window; None: from 0). The engine's sequences start at position 0, with no padding inside. `last_slots`:
-        each row's real tokens are the last T of its keys' slots (whole prompts padded on the right, or rows of one
-        start and length), so causality alone masks and attention needs no dense mask (SmolLM2's prefill
-        attention, 32 prompts of 50-128 tokens: 0.33 s of a 3.3 s run with the mask).
+        every row starts at one position, padded on the right, so column t is slot n_keys - T + t in every row
+        and causality alone masks (a padding query's output is never read): attention needs no dense mask
+        (SmolLM2's prefill attention, 32 prompts of 50-128 tokens: 0.33 s of a 3.3 s run with the mask).
         """
         real_positions = positions.clamp(min=0)
         key_positions = torch.arange(n_keys, device=positions.device)[None]
