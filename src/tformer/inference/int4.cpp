@@ -19,6 +19,7 @@ constexpr int64_t TILE = 16;    // output rows a chunk holds
 constexpr int64_t BLOCK = 32;   // input columns a chunk holds; each row has one scale and minimum per block
 constexpr int64_t CHUNK = 320;  // bytes a chunk: 256 of 4-bit weights, 16 fp16 scales, 16 fp16 minimums
 constexpr int ROWS = 6, ROWS_AVX2 = 4;  // input rows that share each chunk once unpacked (AVX-512, AVX2 loops)
+static_assert(ROWS == 6, "matmul_vnni's switch takes the last 1 .. ROWS - 1 rows");
 constexpr int64_t PREFETCH_AHEAD = 8 * CHUNK;  // bytes ahead of the chunk a one-row product reads: see tile_rows
 constexpr int64_t PREFETCH_L2_AHEAD = 64 * CHUNK;  // and into the L2 cache alone, further ahead (AVX-512 loop)
 
@@ -115,11 +116,10 @@ static void quantize_blocks(const T* x, int64_t count, int8_t* q, float* d, floa
 }
 
 // Output rows t*16 .. t*16+15 for R input rows. Each quarter chunk, unpacked once, feeds all R rows in turn: 2R
-// chains of dot products in flight, each turned to float by itself (the coarse part times FINE once, at the end, in
-// place of a 32-bit multiply a block). Against the rows one after another (4 rows, 8 weight registers live), on an
-// Intel Xeon with AVX512-VNNI (2 threads, one process alternating both builds, SmolLM2's four INT4 shapes): 209 ->
-// 297 GOP/s at 384 rows, 199 -> 305 at 32, 185 -> 261 at 5; one row, weights out of the caches, 92.2 -> 88.1 us. At
-// one thread, 384 rows: 4 rows in turn 187 GOP/s, 6 rows 196, 8 rows (which spill) 180; the integer fold 168-182.
+// chains of dot products in flight, each turned to float by itself (the coarse part times FINE once, at the end).
+// Against 4 rows one after another, on an Intel Xeon with AVX512-VNNI (2 threads, one process alternating both
+// builds, SmolLM2's four INT4 shapes): 209 -> 297 GOP/s at 384 rows, 199 -> 305 at 32, 185 -> 261 at 5; one row
+// from memory 92.2 -> 88.1 us. One thread, 384 rows: 4 rows in turn 187 GOP/s, 6 rows 196, 8 (spilling) 180.
 // At one row the weights stream from memory, so it asks for the chunk 8 ahead, as `tile_row_avx2` does: SmolLM2's
 // four INT4 layers went from 180-198 to 135-175 us a layer on an Intel Xeon without AMX (2 threads, weights out of
 // the CPU's caches, one process alternating both builds; 4 chunks ahead 147-176, 16 ahead 131-180), and batch-1
@@ -192,7 +192,7 @@ static void matmul_vnni(const T* x, int64_t M, int64_t K, const uint8_t* w, int6
         };
         while (M - m >= ROWS) rows(std::integral_constant<int, ROWS>());
         switch (M - m) {  // the last rows, fewer than ROWS, in one pass
-            case 5: rows(std::integral_constant<int, 5>()); break;  // ROWS - 1
+            case 5: rows(std::integral_constant<int, 5>()); break;
             case 4: rows(std::integral_constant<int, 4>()); break;
             case 3: rows(std::integral_constant<int, 3>()); break;
             case 2: rows(std::integral_constant<int, 2>()); break;
