@@ -78,7 +78,8 @@ def long_attention(
     queries' outputs are never read), so SDPA's causal kernel runs. Anything else goes through chunked_attention.
     """
     n_queries, n_keys = q.shape[2], k.shape[2]
-    if mask.causal_suffix() and q.device.type == "cpu" and not dropout_p and not _needs_grad(q, k, v):
+    suffix = mask.causal_suffix() and n_queries < n_keys and q.device.type == "cpu"
+    if suffix and not dropout_p and not _needs_grad(q, k, v):
         return causal_suffix_attention(q, k, v)
     padding = mask.key_padding
     other_rules = (mask.window, mask.query_slots, mask.prefix_lengths, mask.position_bias)
