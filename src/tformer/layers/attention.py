@@ -140,7 +140,7 @@ def chunked_attention(
         k_start, k_end = mask.key_range(q_start, q_end, n_queries, n_keys)
         span = (q_start, q_end, k_start, k_end, n_queries, n_keys)
         block = (q[:, :, q_start:q_end], k[:, :, k_start:k_end], v[:, :, k_start:k_end])
-        if torch.is_grad_enabled() and any(t.requires_grad for t in block):
+        if _needs_grad(*block):
             outputs.append(checkpoint(_attention_block, mask, span, dropout_p, *block, use_reentrant=False))
         else:
             outputs.append(_attention_block(mask, span, dropout_p, *block))
