@@ -149,7 +149,9 @@ def test_sigterm_lets_streams_finish_then_exits(cli) -> None:
         events = [next(line for line in lines if line.startswith("data: "))]
         cli.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 20
-        with pytest.raises(httpx.ConnectError):  # no new connections once shutdown began
+        # No new connections once shutdown began: refused, or reset when a probe reached the listen backlog just
+        # as the socket closed.
+        with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
             while time.monotonic() < deadline:
                 httpx.get(f"{cli.url}/health", timeout=5)
                 time.sleep(0.05)
