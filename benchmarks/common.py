@@ -169,7 +169,7 @@ def machine_info() -> str:
 
 def kernel_paths() -> str:
     """Which attention and integer-matmul kernels tformer's engine runs on this machine, for a report's header."""
-    from tformer.inference import int4, paged_attention, w8a8
+    from tformer.inference import elementwise, int4, paged_attention, w8a8
 
     if paged_attention.kernel() is None:
         attention = "gathered keys and values (the in-place kernel is unavailable here)"
@@ -184,6 +184,8 @@ def kernel_paths() -> str:
                 module.instructions(), "the kernel's portable loop (neither AVX512-VNNI nor AVX2)"
             )
         lines.append(f"tformer {name} matmuls: {how}")
+    fused = "fused kernels" if elementwise.available() else "torch's ops (the fused kernels are unavailable here)"
+    lines.append(f"tformer eager RMSNorm, rotary and SwiGLU in bf16: {fused}")
     return "\n".join(lines)
 
 

@@ -308,8 +308,10 @@ class PagedKVCache:
         key_lengths = None  # a decode step: each row reads keys 0..position in place (paged_decode_attention)
         if decode and key_starts is None and supports(self.k[0].dtype, positions.device):
             key_lengths = positions[:, 0] + 1
+        # Whole prompts (every row from position 0, no window): a row's keys are exactly its new tokens'.
+        whole_prompts = not decode and key_starts is None and not bool(positions[:, 0].any())
         return [
-            PagedLayerKV(k, v, write_slots, keep, read_slots, key_starts, key_lengths)
+            PagedLayerKV(k, v, write_slots, keep, read_slots, key_starts, key_lengths, whole_prompts)
             for k, v in zip(self.k, self.v, strict=True)
         ]
 
@@ -326,11 +328,13 @@ class PagedLayerKV:
         read_slots: torch.Tensor,
         key_starts: torch.Tensor | None = None,
         key_lengths: torch.Tensor | None = None,
+        whole_prompts: bool = False,
     ) -> None:
         self.k, self.v = k, v
         self.write_slots, self.keep, self.read_slots = write_slots, keep, read_slots
         self.key_starts = key_starts  # (B, 1) each row's first key position under a sliding window, else None
         self.key_lengths = key_lengths  # (B,) keys each row reads in a decode step, when it attends in place
+        self.whole_prompts = whole_prompts  # every row's keys are its new tokens: `update` reads nothing back
 
     @property
     def attends_in_place(self) -> bool:
@@ -364,6 +368,8 @@ class PagedLayerKV:
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes k, v (B, Hkv, T, D) of the real tokens, returns every row's keys and values (B, Hkv, Tk, D)."""
         self.write(k, v)
+        if self.whole_prompts:  # the keys just written, as the cache holds them (a padding column is never seen)
+            return k.to(self.k.dtype), v.to(self.v.dtype)
         keys = self.k[self.read_slots]  # (B, Tk, Hkv, D)
         values = self.v[self.read_slots]
         return keys.transpose(1, 2), values.transpose(1, 2)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tformer.config import ConfigError
+from tformer.inference.elementwise import use_fused_elementwise
 from tformer.inference.fp8 import Fp8Linear
 from tformer.inference.fusion import fuse_projections
 from tformer.inference.int4 import Int4Linear
@@ -87,9 +88,10 @@ def resolve_dtype(dtype: str, quantize_mode: str | None) -> str:
 def set_precision(
     model: nn.Module, dtype: str = "auto", quantize_mode: str | None = None, fuse: bool = True
 ) -> nn.Module:
-    """The serving precision of `model`: projections that read one input fused (`fusion.fuse_projections`,
-    unless `fuse` is False), the linear layers quantized (optionally), then every float tensor cast. The model
-    then serves only: fused, it no longer trains, loads or saves a checkpoint.
+    """The serving precision of `model`: projections that read one input fused (`fusion.fuse_projections`) and
+    the fused elementwise kernels handed to its layers (`elementwise.use_fused_elementwise`), unless `fuse` is
+    False; the linear layers quantized (optionally), then every float tensor cast. The model then serves only:
+    fused, it no longer trains, loads or saves a checkpoint.
 
     Decoding reads every weight once a token, so bf16 halves the bytes (on a CPU with AVX512-BF16 that made
     SmolLM2's batch-1 decoding about 1.4x faster); INT8 / INT4 quarter / eighth the linear layers' bytes.
@@ -98,6 +100,7 @@ def set_precision(
     check_precision(dtype, quantize_mode)
     if fuse:
         fuse_projections(model)
+        use_fused_elementwise(model)
     if quantize_mode is not None:
         quantize(model, quantize_mode)
     return model.to(WEIGHT_DTYPES[resolve_dtype(dtype, quantize_mode)])

@@ -233,6 +233,9 @@ class Attention(nn.Module):
         self.last_weights: torch.Tensor | None = None
         self.heads = slice(None)  # the query heads this module computes: all of them unless sharded
         self.query_scale = 1.0 if config.scale_attention else math.sqrt(self.head_dim)
+        # For serving: the rotary embedding in one fused kernel, which gives None where it does not apply
+        # (`tformer.inference.elementwise`)
+        self.fused_rotary: Callable[[torch.Tensor, Rotary], torch.Tensor | None] | None = None
 
     def forward(
         self,
@@ -253,7 +256,7 @@ class Attention(nn.Module):
             q = q * self.query_scale
         if not self.cross:
             if rotary is not None:
-                q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+                q, k = self.rotate(q, rotary), self.rotate(k, rotary)
             if cache is not None and T == 1 and self.attends_in_cache(cache, mask):
                 out = cache.attend_in_place(cache_positions, q, k, v)  # type: ignore[union-attr]  # (B, H, 1, D)
                 return self.out_proj(out.transpose(1, 2).reshape(B, T, -1))
@@ -274,6 +277,12 @@ class Attention(nn.Module):
             self.last_weights = None if weights is None else weights.detach()
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
         return self.out_proj(out)
+
+    def rotate(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """x (B, heads, T, D) rotated by the rotary embedding's angles, in the fused kernel where it applies."""
+        if self.fused_rotary is not None and (out := self.fused_rotary(x, rotary)) is not None:
+            return out
+        return apply_rotary(x, rotary)
 
     def attends_in_cache(self, cache: SelfAttentionCache, mask: AttentionMask) -> bool:
         """Whether a decode step's single queries may attend inside `cache` (see `SelfAttentionCache`): the cache

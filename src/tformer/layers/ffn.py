@@ -43,12 +43,17 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[config.ffn]()
         self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.ffn_bias)
         self.gate_up_proj: nn.Module | None = None  # gate and up in one layer, for serving: `fuse_projections`
+        # For serving: act(gate) * up in one fused kernel, which gives None where it does not apply
+        # (`tformer.inference.elementwise`)
+        self.fused_gate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.fused_gate is not None and (hidden := self.fused_gate(gate, up)) is not None:
+            return self.down_proj(hidden)
         return self.down_proj(self.act(gate) * up)
 
     def fuse_projections(self, concat: Callable[[list[nn.Module]], nn.Module | None]) -> None:
