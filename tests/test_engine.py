@@ -8,6 +8,7 @@ from conftest import make_model, tiny_config
 from helpers import DECODERS, prompts_of_mixed_lengths, reference_greedy
 
 from tformer.inference.engine import Engine, EngineConfig
+from tformer.inference.paged import PagedKVCache
 from tformer.inference.sampling import RequestError, SamplingParams
 from tformer.inference.search import beam_search, beam_search_decoder, greedy_search
 from tformer.layers import attention, masks
@@ -98,9 +99,17 @@ def test_prefill_steps_take_a_dense_mask_only_when_rows_continue_from_different_
     """Past the size of a dense bias: a step of whole prompts (every row from position 0, padded on the right)
     takes SDPA's causal path; a step whose rows all continue from one position after cached tokens (prefix hits;
     padded on the right) takes `causal_suffix_attention`; only a step whose rows continue from different positions
-    builds its bias (by blocks). All give the uncached tokens."""
+    builds its bias (by blocks). Only whole prompts take their keys as computed, without reading them back from
+    the cache. All give the uncached tokens."""
     calls: list[tuple[bool, bool] | str] = []
     sdpa, suffix = torch.nn.functional.scaled_dot_product_attention, attention.causal_suffix_attention
+    views, whole_prompts = PagedKVCache.step_views, []
+
+    def views_spy(self, tables, positions):
+        made = views(self, tables, positions)
+        if positions.shape[1] > 1:
+            whole_prompts.append(made[0].whole_prompts)
+        return made
 
     def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
         if q.shape[2] > 1:  # prefill (decode steps attend in place or over one query)
@@ -114,12 +123,15 @@ def test_prefill_steps_take_a_dense_mask_only_when_rows_continue_from_different_
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(attention, "causal_suffix_attention", suffix_spy)
     monkeypatch.setattr(masks, "DENSE_BIAS_MAX_ENTRIES", 0)  # no dense bias, as for a long prompt's chunks
+    monkeypatch.setattr(PagedKVCache, "step_views", views_spy)
     model = make_model(tiny_config("tiny-llama"))
     prompts = prompts_of_mixed_lengths(model.config.vocab_size, (9, 5, 14))
     engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=64))
     outputs = engine.generate(prompts, GREEDY)
     assert calls and all(call == (False, True) for call in calls)
+    assert whole_prompts and all(whole_prompts)
     calls.clear()
+    whole_prompts.clear()
     continued = [prompt + [3, 4, 5] for prompt in prompts]
     alone = engine.generate([continued[2]], GREEDY)[0]  # 12 of its tokens come from the cache: it starts at 12
     one_start = [prompts[2][:12] + [6, 7], prompts[2][:12] + [8, 9, 10, 11, 12]]  # both from 12: 2 and 5 tokens
@@ -128,6 +140,7 @@ def test_prefill_steps_take_a_dense_mask_only_when_rows_continue_from_different_
     calls.clear()
     together = engine.generate(continued[:2], GREEDY)  # from 8 and from 4, 4 tokens each
     assert calls and all(call == (True, False) for call in calls)
+    assert whole_prompts and not any(whole_prompts)
     assert [o.token_ids for o in outputs] == [reference_greedy(model, p, 12) for p in prompts]
     assert alone.token_ids == reference_greedy(model, continued[2], 12)
     assert [o.token_ids for o in from_one_start] == [reference_greedy(model, p, 12) for p in one_start]
