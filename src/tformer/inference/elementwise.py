@@ -9,8 +9,8 @@ sums its squares in another order, and SiLU's exponential is a polynomial within
 
 `use_fused_elementwise(model)` hands the kernels to the model's layers, which call them in place of their
 formula where they apply: bfloat16 activations on the CPU, no gradient, and not inside torch.compile (a compiled
-decode step fuses these ops itself). Anywhere else, or where the kernel could not be built, the layers keep their
-formula.
+decode step fuses these ops itself). Anywhere else, where the kernels could not be built, or with
+TFORMER_FUSED_ELEMENTWISE=0 in the environment, the layers keep their formula.
 """
 
 from __future__ import annotations
