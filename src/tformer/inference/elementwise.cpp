@@ -1,7 +1,8 @@
 // Fused elementwise kernels for serving bfloat16 activations (see elementwise.py): RMSNorm, the rotary embedding
 // and SwiGLU's SiLU-gated product, each one pass over memory where torch's eager formula runs 4-10 ops.
 // Built by tformer.inference.native.load (-O3 -march=native -fopenmp) against torch's stable C ABI, which
-// registers the ops at the end. Plain loops: the compiler vectorizes them for whatever the CPU has.
+// registers the ops at the end. RMSNorm and rotary are plain loops the compiler vectorizes for whatever the CPU has;
+// SiLU runs on explicit AVX-512 or AVX2 lanes (`Lanes`), a scalar loop of the same operations taking the rest.
 #pragma GCC optimize("fp-contract=off")  // every product and sum rounds on its own, as in torch's eager ops
 #include <cmath>
 #include <cstdint>
