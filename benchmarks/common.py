@@ -184,7 +184,12 @@ def kernel_paths() -> str:
                 module.instructions(), "the kernel's portable loop (neither AVX512-VNNI nor AVX2)"
             )
         lines.append(f"tformer {name} matmuls: {how}")
-    fused = "fused kernels" if elementwise.available() else "torch's ops (the fused kernels are unavailable here)"
+    if not elementwise.available():
+        fused = "torch's ops (the fused kernels are unavailable here)"
+    elif elementwise.instructions() == "portable":
+        fused = "fused kernels, SiLU in torch (this build has no vector lanes for it)"
+    else:
+        fused = f"fused kernels (SiLU on {elementwise.instructions()} lanes)"
     lines.append(f"tformer eager RMSNorm, rotary and SwiGLU in bf16: {fused}")
     return "\n".join(lines)
 

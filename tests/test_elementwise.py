@@ -94,7 +94,8 @@ def test_silu_mul_at_the_edges_of_the_exponential() -> None:
 
 
 def test_the_kernels_decline_where_they_do_not_apply() -> None:
-    """float32, gradients and torch.compile keep the formula (None), and the layers then compute it."""
+    """float32, gradients, torch.compile and a build without SiLU's vector lanes keep the formula (None), and the
+    layers then compute it."""
     x = torch.randn(2, 8, 64)
     weight = torch.ones(64)
     assert elementwise.rms_norm(x, weight, 1e-5) is None  # float32
@@ -104,6 +105,9 @@ def test_the_kernels_decline_where_they_do_not_apply() -> None:
         assert elementwise.rms_norm(trained, weight.bfloat16(), 1e-5) is not None
     gate = torch.randn(2, 8, 64).bfloat16()
     assert elementwise.silu_mul(gate, gate[..., :32]) is None  # shapes differ
+    assert elementwise.instructions() in ("AVX-512", "AVX2", "portable")
+    with mock.patch.object(elementwise, "_silu_vectorized", lambda: False):  # a build with the scalar loop alone
+        assert elementwise.silu_mul(gate, gate) is None
     q = gate.view(2, 8, 4, 16).transpose(1, 2)
     wrong = tuple(a[:, :5] for a in rotary_angles(2, 8, 16))  # angles for 5 tokens, not 8
     assert elementwise.rotary(q, wrong) is None

@@ -15,6 +15,8 @@ TFORMER_FUSED_ELEMENTWISE=0 in the environment, the layers keep their formula.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -25,7 +27,7 @@ from tformer.layers.norms import RMSNorm
 from tformer.layers.positions import Rotary
 
 UNAVAILABLE = "the fused elementwise kernels are unavailable: RMSNorm, rotary and SwiGLU run torch's ops"
-kernel, available, _ = native.op_library("elementwise", UNAVAILABLE, switch="TFORMER_FUSED_ELEMENTWISE")
+kernel, available, instructions = native.op_library("elementwise", UNAVAILABLE, switch="TFORMER_FUSED_ELEMENTWISE")
 
 _LIBRARY = torch.library.Library("tformer", "FRAGMENT")
 _LIBRARY.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
@@ -42,6 +44,12 @@ def _applies(*tensors: torch.Tensor) -> bool:
         if t.dtype != torch.bfloat16 or t.device.type != "cpu" or (grad and t.requires_grad):
             return False
     return available()
+
+
+@functools.cache
+def _silu_vectorized() -> bool:
+    """Whether SiLU runs on vector lanes in this build; its scalar loop alone is slower than torch's ops."""
+    return instructions() not in (None, "portable")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -66,7 +74,9 @@ def rotary(x: torch.Tensor, angles: Rotary) -> torch.Tensor | None:
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """bf16(silu(gate)) * up, or None where the kernel does not apply."""
-    if not _applies(gate, up) or gate.stride(-1) != 1 or up.stride(-1) != 1 or gate.shape != up.shape:
+    if not _applies(gate, up) or not _silu_vectorized() or gate.shape != up.shape:
+        return None
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
         return None
     width = gate.shape[-1]
     return torch.ops.tformer.silu_mul(gate.reshape(-1, width), up.reshape(-1, width)).view(gate.shape)
