@@ -33,9 +33,8 @@ static inline uint16_t float_bf16(float x) {
 // polynomial (Cephes' expf coefficients) in fused multiply-adds: within 2 ulp of the exact value. x is first
 // clamped so that 2^n stays a normal float (e^x below e^-87.3 is 2^-126; above e^88.4 it is 2.4e38). `Lanes`
 // does the same operations in the same order on a vector, so every lane equals this function's result (and every
-// build on a CPU with multiply-adds gives the same bits). The
-// multiply-adds halve the work of a compute-bound loop (SiLU ran at ~1 ns an element on a Xeon whose AVX-512
-// unit issues one operation a cycle).
+// build on a CPU with multiply-adds gives the same bits). The multiply-adds halve the work of a compute-bound loop
+// (SiLU ran at ~1 ns an element on a Xeon whose AVX-512 unit issues one operation a cycle).
 constexpr float EXP_LOW = -87.33654f, EXP_HIGH = 88.37626f, LOG2E = 1.44269504088896341f;
 constexpr float ROUNDER = 12582912.f;  // 1.5 * 2^23: x + ROUNDER - ROUNDER rounds x to an integer, to nearest even
 constexpr float LN2_HIGH = 0.693359375f, LN2_LOW = -2.12194440e-4f;
@@ -115,11 +114,9 @@ struct Lanes {
         return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(int32_t(0xffff0000u))));
     }
     static void store(uint16_t* p, V v) {  // 8 bfloat16s, rounded to nearest even, a NaN kept quiet
-        const __m256i bits = _mm256_castps_si256(v);
-        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-        __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+        const __m256i bits = _mm256_castps_si256(v), quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
         const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+        const __m256i rounded = _mm256_blendv_epi8(_mm256_castps_si256(round_bf16(v)), quiet, nan);
         const __m256i halves = _mm256_packus_epi32(_mm256_srli_epi32(rounded, 16), _mm256_setzero_si256());
         const __m256i packed = _mm256_permute4x64_epi64(halves, 0x08);  // the two lanes' low quadwords together
         _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
