@@ -7,8 +7,10 @@ import torch
 from conftest import make_model, tiny_config
 from helpers import DECODERS, prompts_of_mixed_lengths, reference_greedy
 
+from tformer.inference import packing, runner
 from tformer.inference.engine import Engine, EngineConfig
 from tformer.inference.paged import PagedKVCache
+from tformer.inference.runner import StepBatch, group_by_width
 from tformer.inference.sampling import RequestError, SamplingParams
 from tformer.inference.search import beam_search, beam_search_decoder, greedy_search
 from tformer.layers import attention, masks
@@ -100,7 +102,7 @@ def test_prefill_steps_take_a_dense_mask_only_when_rows_continue_from_different_
     takes SDPA's causal path; a step whose rows all continue from one position after cached tokens (prefix hits;
     padded on the right) takes `causal_suffix_attention`; only a step whose rows continue from different positions
     builds its bias (by blocks). Only whole prompts take their keys as computed, without reading them back from
-    the cache. All give the uncached tokens."""
+    the cache. All give the uncached tokens. (Padded steps: packing is off here; see the packed steps' test.)"""
     calls: list[tuple[bool, bool] | str] = []
     sdpa, suffix = torch.nn.functional.scaled_dot_product_attention, attention.causal_suffix_attention
     views, whole_prompts = PagedKVCache.step_views, []
@@ -126,7 +128,7 @@ def test_prefill_steps_take_a_dense_mask_only_when_rows_continue_from_different_
     monkeypatch.setattr(PagedKVCache, "step_views", views_spy)
     model = make_model(tiny_config("tiny-llama"))
     prompts = prompts_of_mixed_lengths(model.config.vocab_size, (9, 5, 14))
-    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=64))
+    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=64, pack_prompts=False))
     outputs = engine.generate(prompts, GREEDY)
     assert calls and all(call == (False, True) for call in calls)
     assert whole_prompts and all(whole_prompts)
@@ -438,7 +440,6 @@ def test_a_vanishing_temperature_is_greedy_and_a_bad_prompt_is_a_request_error()
 
 
 def test_prompt_chunks_of_similar_widths_share_a_forward() -> None:
-    from tformer.inference.runner import group_by_width
     from tformer.inference.scheduler import Sequence
 
     items = [(Sequence(str(n), [0] * n, GREEDY), n) for n in (1, 20, 13, 7, 1, 6, 40)]
@@ -447,3 +448,61 @@ def test_prompt_chunks_of_similar_widths_share_a_forward() -> None:
     assert groups == [[1, 1], [40], [20], [13], [7, 6]]
     wider = [[n for _, n in group] for group in group_by_width(items, max_padding=0.25)]
     assert wider == [[1, 1], [40], [20, 13], [7, 6]]
+    packed = [[n for _, n in group] for group in group_by_width(items, pack=True)]
+    assert packed == [[1, 1], [20, 13, 7, 6, 40]]  # every prompt chunk in one row, in the step's order
+
+
+def test_a_packed_batch_puts_each_chunk_at_its_positions_side_by_side() -> None:
+    batch = StepBatch.pack([[5, 6, 7], [8, 9], [1, 2, 3, 4]], [0, 4, 2], torch.device("cpu"))
+    assert batch.packed and batch.tokens.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert batch.positions.tolist() == [[0, 1, 2, 4, 5, 2, 3, 4, 5]]
+    assert batch.last_index.tolist() == [2, 4, 8]
+    hidden = torch.arange(9.0)[None, :, None].expand(1, 9, 2)  # column t holds t
+    assert batch.last_hidden(hidden).tolist() == [[2.0, 2.0], [4.0, 4.0], [8.0, 8.0]]
+
+
+def test_packed_prompt_steps_give_the_uncached_tokens(decoder: torch.nn.Module, monkeypatch) -> None:
+    """A step's prompt chunks share one row where every layer attends plainly (LLaMA, GPT-2), each sequence over
+    its own keys: whole prompts from position 0 beside chunks that continue after cached tokens (a budget of 16
+    tokens a step splits the longer prompts). ALiBi's position bias and a sliding window keep padded batches.
+    Either way every request gets the uncached forward's tokens."""
+    steps: list[list[tuple[int, int]]] = []
+    views = packing.packed_views
+
+    def spy(kv, tables, starts, lengths):
+        steps.append(list(zip(starts, lengths, strict=True)))
+        return views(kv, tables, starts, lengths)
+
+    monkeypatch.setattr(runner, "packed_views", spy)
+    engine = Engine(decoder, config=EngineConfig(block_size=4, num_blocks=64, max_batched_tokens=16))
+    prompts = prompts_of_mixed_lengths(decoder.config.vocab_size)
+    results = engine.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == [reference_greedy(decoder, p, GREEDY.max_tokens) for p in prompts]
+    plain = decoder.config.position != "alibi" and decoder.config.sliding_window is None
+    assert engine.runner.packs() == plain
+    if not plain:
+        assert not steps
+        return
+    assert all(len(step) > 1 for step in steps)
+    assert any({start == 0 for start, _ in step} == {True, False} for step in steps)  # whole and continuing
+
+
+def test_packing_declines_for_layers_that_do_not_attend_plainly() -> None:
+    """Kept attention weights make a layer attend on its own: the engine then pads its prompt chunks (and gives
+    the uncached tokens); a packed view refuses to hand one row's keys of several sequences to a layer's mask."""
+    model = make_model(tiny_config("tiny-llama"))
+    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=64))
+    assert engine.runner.packs()
+    assert not Engine(make_model(tiny_config("tiny-transformer"))).runner.packs()  # cross-attention per row
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size)
+    model.decoder.layers[1].self_attn.keep_weights = True
+    try:
+        assert not engine.runner.packs()
+        results = engine.generate(prompts, GREEDY)
+    finally:
+        model.decoder.layers[1].self_attn.keep_weights = False
+    assert [r.token_ids for r in results] == [reference_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    view = packing.packed_views(engine.kv, [[0], [1]], [0, 0], [3, 2])[0]
+    k = torch.zeros(1, model.config.n_kv_heads, 5, model.config.head_dim)
+    with pytest.raises(RuntimeError, match="pack_prompts=False"):
+        view.update(torch.tensor([[0, 1, 2, 0, 1]]), k, k)

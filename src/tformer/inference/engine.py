@@ -31,7 +31,7 @@ from tformer.inference.beams import BeamGroup
 from tformer.inference.outputs import Completion, OutputProcessor, RequestOutput, accumulate
 from tformer.inference.paged import BlockAllocator, kv_bytes_per_token, paged_cache_for
 from tformer.inference.requests import InputProcessor, Request
-from tformer.inference.runner import StepBatch, group_by_width, make_runner
+from tformer.inference.runner import StepBatch, group_by_width, make_runner, step_inputs
 from tformer.inference.sampling import RequestError, SamplingParams, greedy_tokens, sample_token, sampling_probs
 from tformer.inference.scheduler import Scheduler, Sequence, Status
 from tformer.inference.speculative import Drafter, SpeculativeStats, accept_draft, accept_greedy, check_draft
@@ -55,6 +55,7 @@ class EngineConfig:
     max_model_len: int = 0  # 0: the model's max_seq_len
     prefix_caching: bool = True
     compile: bool = False  # decode steps through torch.compile (see runner.py)
+    pack_prompts: bool = True  # a step's prompt chunks in one row, where the model allows it (see packing.py)
     num_speculative_tokens: int = 4  # draft tokens per decode step, when the engine has a draft model
 
     def __post_init__(self) -> None:
@@ -181,23 +182,25 @@ class Engine:
         if self.drafter is not None:
             self.drafter.kv.copy_blocks(plan.copies)
         outputs = []
-        for group in group_by_width([item for item in plan.scheduled if item[0] not in plan.drafts]):
-            outputs += self._run(group)
+        pack = self.config.pack_prompts and self.runner.packs()
+        for group in group_by_width([item for item in plan.scheduled if item[0] not in plan.drafts], pack=pack):
+            outputs += self._run(group, pack)
         if plan.drafts:
             outputs += self._speculate(list(plan.drafts), list(plan.drafts.values()))
         return outputs
 
-    def _run(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
-        """One forward over sequences with their new tokens; samples where a sequence's tokens are all cached."""
+    def _run(self, scheduled: list[tuple[Sequence, int]], pack: bool = False) -> list[RequestOutput]:
+        """One forward over sequences with their new tokens (prompt chunks packed in one row with `pack`); samples
+        where a sequence's tokens are all cached."""
         seqs = [seq for seq, _ in scheduled]
         for seq in seqs:
             self.runner.start(seq)
         chunks = [seq.tokens_between(seq.n_computed, seq.n_computed + n) for seq, n in scheduled]
-        batch = StepBatch.build(chunks, [seq.n_computed for seq in seqs], self.kv.k[0].device)
-        views = self.kv.step_views([seq.table for seq in seqs], batch.positions)
+        starts = [seq.n_computed for seq in seqs]
+        batch, views = step_inputs(self.kv, [seq.table for seq in seqs], chunks, starts, pack)
         logits = self.runner.logits(seqs, batch, views)  # (B, V)
         if self.drafter is not None:
-            self.drafter.follow(seqs, batch)
+            self.drafter.follow(seqs, chunks, starts)
         greedy = greedy_tokens(logits).tolist() if any(seq.params.greedy for seq in seqs) else None  # one call
         outputs = []
         for row, (seq, n) in enumerate(scheduled):

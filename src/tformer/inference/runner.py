@@ -5,7 +5,8 @@ A family's rules: how a request's prompt splits into the decoder's prompt and an
 context tokens each takes, and whether a sequence's tokens alone determine its keys and values (prefix caching).
 
 A step feeds each scheduled sequence's new tokens, padded into a (B, T) batch with positions of -1 on the
-padding, through the decoder with the paged cache, and keeps the logits of each row's last real token.
+padding, through the decoder with the paged cache, and keeps the logits of each row's last real token. A decoder
+whose layers all attend plainly takes a step's prompt chunks packed side by side in one row instead (packing.py).
 An encoder-decoder model also runs its encoder once per request and keeps the cross-attention keys and
 values of every decoder layer with the request, so later steps never touch the encoder again.
 
@@ -17,6 +18,7 @@ chunks, whose widths vary and whose time goes to matmuls, stay eager. The first 
 
 from __future__ import annotations
 
+import itertools
 import types
 import weakref
 from collections.abc import Callable
@@ -26,8 +28,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tformer.inference.paged import PagedLayerKV
+from tformer.inference.packing import packed_views
+from tformer.inference.paged import PagedKVCache, PagedLayerKV
 from tformer.inference.scheduler import Sequence
+from tformer.layers.attention import Attention
 from tformer.layers.kv_cache import CrossKV, LayerCache
 from tformer.models import DecoderLM, EncoderDecoder, TransformerModel
 from tformer.models.stack import StackInputs, engine_key_count
@@ -37,12 +41,15 @@ from tformer.models.stack import StackInputs, engine_key_count
 class StepBatch:
     """The tensors of one step: tokens and positions (B, T) with -1 positions as padding, last_index (B,);
     `last_slots` when every row's tokens sit in the last columns of the keys: all rows start at one position
-    and are padded on the right (whole prompts from 0; past one token a row, chunks after cached tokens)."""
+    and are padded on the right (whole prompts from 0; past one token a row, chunks after cached tokens).
+    A `packed` step holds every sequence's tokens side by side in one row, (1, N), and last_index (B,) the
+    column of each one's last token (packing.py)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     last_index: torch.Tensor
     last_slots: bool = False
+    packed: bool = False
 
     @classmethod
     def build(cls, chunks: list[list[int]], starts: list[int], device: torch.device) -> StepBatch:
@@ -57,16 +64,27 @@ class StepBatch:
         last_slots = not any(starts) or (width > 1 and len(set(starts)) == 1)
         return cls(tokens.to(device), positions.to(device), last_index.to(device), last_slots)
 
+    @classmethod
+    def pack(cls, chunks: list[list[int]], starts: list[int], device: torch.device) -> StepBatch:
+        """chunks[i], the tokens at positions starts[i], starts[i] + 1, ..., side by side in one row."""
+        tokens = torch.tensor([[token for chunk in chunks for token in chunk]])
+        spans = zip(chunks, starts, strict=True)
+        positions = torch.cat([torch.arange(start, start + len(chunk)) for chunk, start in spans])
+        last_index = torch.tensor(list(itertools.accumulate(len(chunk) for chunk in chunks))) - 1
+        return cls(tokens.to(device), positions[None].to(device), last_index.to(device), True, packed=True)
+
+    def last_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden state (B, d) after each sequence's last token, of the stack's output (B|1, T, d)."""
+        if self.packed:
+            return hidden[0, self.last_index]
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), self.last_index]
+
     def stack_inputs(self, caches: list[LayerCache]) -> StackInputs:
         """Where the batch's tokens sit for the decoder stack: each row at its own positions over the cache."""
         view = caches[0].self_attn
         key_starts = getattr(view, "key_starts", None)
         n_keys = engine_key_count(caches, self.positions)
         return StackInputs.from_engine(self.positions, n_keys, key_starts, self.last_slots)
-
-
-def _last_hidden(hidden: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
-    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last_index]  # (B, d)
 
 
 # The decode step's time at batch 1 is dispatch, not arithmetic. Inductor's default checks the size and stride of
@@ -162,6 +180,10 @@ class ModelRunner(Protocol):
         """Prepares a sequence's per-request state before its first step (an encoder's output)."""
         ...
 
+    def packs(self) -> bool:
+        """Whether a step's prompt chunks may run packed in one row (packing.py)."""
+        ...
+
     def logits(
         self, seqs: list[Sequence], batch: StepBatch, views: list[PagedLayerKV], every_position: bool = False
     ) -> torch.Tensor:
@@ -187,6 +209,15 @@ class DecoderRunner:
     def start(self, seq: Sequence) -> None:
         """Nothing to prepare: a decoder has no per-request state besides its KV blocks."""
 
+    def packs(self) -> bool:
+        """Whether prompt chunks may run packed in one row: every layer's self-attention attends plainly (what the
+        packed cache computes per sequence), with no sliding window or position bias. Other attentions (Longformer's,
+        Performer's, a layer keeping its weights) decline; embeddings, norms and FFNs treat each token alone."""
+        stack = self.model.decoder
+        if stack.window is not None or stack.positions.has_attention_bias:
+            return False
+        return all(isinstance(attn := layer.self_attn, Attention) and attn.attends_plainly() for layer in stack.layers)
+
     def logits(
         self, seqs: list[Sequence], batch: StepBatch, views: list[PagedLayerKV], every_position: bool = False
     ) -> torch.Tensor:
@@ -195,7 +226,7 @@ class DecoderRunner:
         hidden = self.decoder(batch.tokens, batch.stack_inputs(caches), cache=caches)
         if every_position:
             return self.model.lm_head(hidden).float()
-        return self.model.lm_head(_last_hidden(hidden, batch.last_index)).float()  # (B, V)
+        return self.model.lm_head(batch.last_hidden(hidden)).float()  # (B, V)
 
 
 @dataclass
@@ -226,6 +257,10 @@ class Seq2SeqRunner:
     def context_lengths(self, prompt_len: int) -> tuple[int, int]:
         return 1, prompt_len
 
+    def packs(self) -> bool:
+        """Never: each row's cross-attention reads its own source."""
+        return False
+
     def start(self, seq: Sequence) -> None:
         if seq.encoder_state is not None:
             return
@@ -250,7 +285,7 @@ class Seq2SeqRunner:
             values = _pad_stack([state.values[layer] for state in states], width)
             caches.append(LayerCache(view, CrossKV(keys, values)))
         hidden = self.decoder(batch.tokens, batch.stack_inputs(caches), memory_padding=padding, cache=caches)
-        return self.model.lm_head(_last_hidden(hidden, batch.last_index)).float()
+        return self.model.lm_head(batch.last_hidden(hidden)).float()
 
 
 def _pad_stack(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -280,9 +315,24 @@ def make_runner(model: TransformerModel, compile: bool = False) -> ModelRunner:
     )
 
 
-def group_by_width(scheduled: list[tuple[Sequence, int]], max_padding: float = 0.1) -> list[list[tuple[Sequence, int]]]:
+def step_inputs(
+    kv: PagedKVCache, tables: list[list[int]], chunks: list[list[int]], starts: list[int], pack: bool
+) -> tuple[StepBatch, list[PagedLayerKV]]:
+    """The batch and every layer's cache view for one forward over chunks[i] from position starts[i] through block
+    table tables[i]: packed in one row when `pack` and there are prompt chunks to share it, else padded (B, T)."""
+    device = kv.k[0].device
+    if pack and len(chunks) > 1 and min(len(chunk) for chunk in chunks) > 1:
+        return StepBatch.pack(chunks, starts, device), packed_views(kv, tables, starts, [len(c) for c in chunks])
+    batch = StepBatch.build(chunks, starts, device)
+    return batch, kv.step_views(tables, batch.positions)
+
+
+def group_by_width(
+    scheduled: list[tuple[Sequence, int]], max_padding: float = 0.1, pack: bool = False
+) -> list[list[tuple[Sequence, int]]]:
     """Splits a step into forwards: decode rows (one new token) run together; prompt chunks run together when
-    padding them to the widest of their group wastes at most `max_padding` of the group's tokens.
+    padding them to the widest of their group wastes at most `max_padding` of the group's tokens, or all in one
+    packed row with `pack` (no padding at all; see packing.py).
 
     A batch is padded to its widest row, so one 500-token chunk among 32 decodes would cost 32 x 500 tokens;
     chunks of similar widths, though, share one forward and its larger matmuls, and each forward has a cost of its
@@ -292,6 +342,9 @@ def group_by_width(scheduled: list[tuple[Sequence, int]], max_padding: float = 0
     20), and 5.99 s with no padding at all (2,670 in 35).
     """
     decodes = [item for item in scheduled if item[1] == 1]
+    if pack:
+        prompts = [item for item in scheduled if item[1] > 1]
+        return [group for group in (decodes, prompts) if group]
     groups: list[list[tuple[Sequence, int]]] = []
     for item in sorted((item for item in scheduled if item[1] > 1), key=lambda item: -item[1]):
         group = groups[-1] if groups else None

@@ -23,7 +23,7 @@ import torch
 
 from tformer.errors import ConfigError
 from tformer.inference.paged import PagedKVCache
-from tformer.inference.runner import DecoderRunner, StepBatch
+from tformer.inference.runner import DecoderRunner, StepBatch, step_inputs
 from tformer.inference.sampling import RequestError, SamplingParams, greedy_tokens, make_generator, sampling_probs
 from tformer.inference.scheduler import Sequence
 from tformer.models import DecoderLM, TransformerModel
@@ -179,17 +179,18 @@ class Drafter:
         self.runner = DecoderRunner(draft, compile)
         self.kv = kv
 
-    def follow(self, seqs: list[Sequence], batch: StepBatch) -> None:
-        """Runs the draft over the tokens the target has just run (prompt chunks): its cache keeps pace.
+    def follow(self, seqs: list[Sequence], chunks: list[list[int]], starts: list[int]) -> None:
+        """Runs the draft over the tokens the target has just run (chunks[i] from position starts[i]; prompt chunks
+        packed in one row where the draft allows it): its cache keeps pace.
 
         A sequence whose draft cache lagged behind (a beam, say) is left behind; it is never drafted for.
         """
-        views = self.kv.step_views([seq.table for seq in seqs], batch.positions)
+        tables = [seq.table for seq in seqs]
+        batch, views = step_inputs(self.kv, tables, chunks, starts, self.runner.packs())
         self.runner.logits(seqs, batch, views)
-        starts = batch.positions[:, 0].tolist()
-        for seq, start, width in zip(seqs, starts, (batch.last_index + 1).tolist(), strict=True):
+        for seq, start, chunk in zip(seqs, starts, chunks, strict=True):
             if seq.draft_computed == start:
-                seq.draft_computed = start + width
+                seq.draft_computed = start + len(chunk)
 
     def propose(self, seqs: list[Sequence], lengths: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
         """lengths[i] draft tokens for each sequence (one forward per token, over the rows still drafting) and

@@ -257,8 +257,8 @@ class Attention(nn.Module):
         if not self.cross:
             if rotary is not None:
                 q, k = self.rotate(q, rotary), self.rotate(k, rotary)
-            if cache is not None and T == 1 and self.attends_in_cache(cache, mask):
-                out = cache.attend_in_place(cache_positions, q, k, v)  # type: ignore[union-attr]  # (B, H, 1, D)
+            if cache is not None and self.attends_in_cache(cache, mask):
+                out = cache.attend_in_place(cache_positions, q, k, v)  # type: ignore[union-attr]  # (B, H, T, D)
                 return self.out_proj(out.transpose(1, 2).reshape(B, T, -1))
             if cache is not None:
                 k, v = cache.update(cache_positions, k, v)  # (B, Hkv, Tk, D)
@@ -285,13 +285,16 @@ class Attention(nn.Module):
         return apply_rotary(x, rotary)
 
     def attends_in_cache(self, cache: SelfAttentionCache, mask: AttentionMask) -> bool:
-        """Whether a decode step's single queries may attend inside `cache` (see `SelfAttentionCache`): the cache
-        offers it, causality is the mask's only rule, and this layer computes plain softmax attention over all its
-        heads (no kept weights, dropout, tensor-parallel shard, other backend or replaced `attend`)."""
+        """Whether this step's queries may attend inside `cache` (see `SelfAttentionCache`): the cache offers it
+        (the engine's decode steps and packed prompt steps), causality is the mask's only rule, and this layer
+        attends plainly."""
+        return getattr(cache, "attends_in_place", False) and mask.causal_only() and self.attends_plainly()
+
+    def attends_plainly(self) -> bool:
+        """Whether this layer computes plain softmax attention over all its heads, as a cache that attends by itself
+        does: no kept weights, dropout, tensor-parallel shard, other backend or replaced `attend`."""
         return (
-            getattr(cache, "attends_in_place", False)
-            and mask.causal_only()
-            and self.backend is sdpa_attention
+            self.backend is sdpa_attention
             and type(self).attend is Attention.attend
             and not self.keep_weights
             and not (self.training and self.attn_dropout)

@@ -125,8 +125,10 @@ class SelfAttentionCache(Protocol):
     """Anything a self-attention layer can read and write its keys and values through.
 
     A cache may also attend by itself: when its `attends_in_place` is true (the engine's paged cache in a decode
-    step), `attend_in_place(positions, q, k, v)` writes k and v and returns causal attention of the single queries q
-    (B, H, 1, D) over each row's keys up to its position, without copying the keys out.
+    step, or in a packed step whose one row holds several sequences' tokens), `attend_in_place(positions, q, k, v)`
+    writes k and v and returns causal attention of the queries q (B, H, T, D), each over its own sequence's keys up
+    to its position, without copying the keys out. Only plain softmax attention may take it
+    (`Attention.attends_in_cache`).
     """
 
     def update(
