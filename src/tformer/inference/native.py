@@ -1,12 +1,13 @@
 """tformer's C++ kernels: built with the machine's C++ compiler on first use and cached on disk.
 
-A kernel is one C++ source beside this file, which may include the shared helpers of `native.h`. It is
-compiled with -O3 -march=native -fopenmp into a shared library under ~/.cache/tformer/kernels, keyed by its source,
-`native.h`, the compiler, the flags and the CPU (so a new source or another machine builds again, in about a
-second). The library runs on torch's own OpenMP runtime: torch has loaded it already, and the library's libgomp.so.1
-resolves to that same one. Where a kernel cannot be built or loaded (no compiler, an unwritable cache directory)
-`load` logs why once and gives None, and callers keep a plain torch path. A kernel can also register torch ops
-through torch's stable C ABI (`load(..., torch_ops=True)`, `op_library`): then a compiled graph calls it like any op.
+A kernel is one C++ source beside this file, which may include the shared helpers of the headers beside it
+(`native.h`; `lanes.h` for the attention kernels). It is compiled with -O3 -march=native -fopenmp into a shared
+library under ~/.cache/tformer/kernels, keyed by its source, the headers, the compiler, the flags and the CPU (so a
+new source or another machine builds again, in about a second). The library runs on torch's own OpenMP runtime:
+torch has loaded it already, and the library's libgomp.so.1 resolves to that same one. Where a kernel cannot be
+built or loaded (no compiler, an unwritable cache directory) `load` logs why once and gives None, and callers keep a
+plain torch path. A kernel can also register torch ops through torch's stable C ABI (`load(..., torch_ops=True)`,
+`op_library`): then a compiled graph calls it like any op.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def load(name: str, what: str, torch_ops: bool = False) -> ctypes.CDLL | None:
     source registers torch ops (`torch_flags`), which loading the library makes callable."""
     source = (HERE / f"{name}.cpp").read_text()
     compiler = os.environ.get("CXX", "g++")
-    shared = (HERE / "native.h").read_text()  # the helpers every kernel includes
+    shared = "".join(header.read_text() for header in sorted(HERE.glob("*.h")))  # helpers kernels include
     flags = [*COMPILER_FLAGS, *(torch_flags() if torch_ops else [])]
     key = "\n".join([source, shared, compiler, *flags, torch.__version__, cpu_name()])
     library = cache_dir("kernels") / f"{name}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"

@@ -16,86 +16,9 @@
 
 using torch::stable::Tensor;
 
-#if defined(__AVX512F__) || defined(TFORMER_AVX2)
-// out[0 .. 3]: the sums of a, b, c and d's 8 lanes. Each pair of horizontal adds halves the lanes per 128-bit half.
-static inline void sum4_halves(__m256 a, __m256 b, __m256 c, __m256 d, float* out) {
-    const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)));
-}
-#endif
-
-// The vector instructions `attend_one` runs on, as a few operations on a register of `WIDTH` floats: AVX-512's 16
-// lanes, else AVX2's 8 (a CPU such as AMD's Zen 3); without either, `attend` keeps its portable loop.
-#if defined(__AVX512F__)
-#define TFORMER_VECTOR_ATTENTION 1
-struct Lanes {
-    using V = __m512;
-    static constexpr int64_t WIDTH = 16;
-    static V zero() { return _mm512_setzero_ps(); }
-    static V set1(float x) { return _mm512_set1_ps(x); }
-    template <typename T>
-    static V load(const T* p) { return load16(p); }
-    static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-    static V add(V a, V b) { return _mm512_add_ps(a, b); }
-    static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
-    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-    static V max(V a, V b) { return _mm512_max_ps(a, b); }
-    static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-    static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
-    static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
-    static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
-    static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-    static V times_power_of_two(V p, V n) { return _mm512_scalef_ps(p, n); }
-    static void sum4(V a, V b, V c, V d, float* out) {  // out[0 .. 3]: the lane sums of a, b, c and d
-        const auto half = [](V x) {
-            const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
-            return _mm256_add_ps(_mm512_castps512_ps256(x), high);
-        };
-        sum4_halves(half(a), half(b), half(c), half(d), out);
-    }
-};
-#elif defined(TFORMER_AVX2)
-#define TFORMER_VECTOR_ATTENTION 1
-struct Lanes {
-    using V = __m256;
-    static constexpr int64_t WIDTH = 8;
-    static V zero() { return _mm256_setzero_ps(); }
-    static V set1(float x) { return _mm256_set1_ps(x); }
-    template <typename T>
-    static V load(const T* p) { return load8(p); }
-    static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-    static V add(V a, V b) { return _mm256_add_ps(a, b); }
-    static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
-    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-    static V max(V a, V b) { return _mm256_max_ps(a, b); }
-    static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-    static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
-    static float reduce_add(V v) { return reduce_add8(v); }
-    static float reduce_max(V v) { return reduce_max8(v); }
-    static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-    static V times_power_of_two(V p, V n) {  // n integral in [-126, 127]: 2^n built in the exponent bits
-        const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-        return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    }
-    static void sum4(V a, V b, V c, V d, float* out) { sum4_halves(a, b, c, d, out); }
-};
-#endif
+#include "lanes.h"
 
 #ifdef TFORMER_VECTOR_ATTENTION
-using V = Lanes::V;
-constexpr int64_t WIDTH = Lanes::WIDTH;
-
-// e^x for x <= 0: 2^n times a degree-6 polynomial in r = x - n ln2, |r| <= ln2 / 2 (relative error ~2e-7)
-static inline V exp_lanes(V x) {
-    x = Lanes::max(x, Lanes::set1(-87.f));
-    const V n = Lanes::round(Lanes::mul(x, Lanes::set1(1.44269504f)));
-    V r = Lanes::fnmadd(n, Lanes::set1(0.693145751953125f), x);
-    r = Lanes::fnmadd(n, Lanes::set1(1.428606765330187e-06f), r);
-    V p = Lanes::set1(0.0013888889f);
-    for (const float c : {0.008333334f, 0.041666668f, 0.16666667f, 0.5f, 1.f, 1.f})
-        p = Lanes::fmadd(p, r, Lanes::set1(c));
-    return Lanes::times_power_of_two(p, n);
-}
 
 constexpr int64_t MAX_CHUNKS = 256 / WIDTH;  // head_dim up to 256
 constexpr int64_t KEYS_AT_ONCE = 4;          // keys scored together, their 4 dot products summed in one pass
