@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tformer.inference.causal_attention import causal_attention
 from tformer.inference.paged import PagedKVCache, PagedLayerKV
 from tformer.layers.attention import sdpa_attention
 from tformer.layers.masks import build_mask
@@ -67,8 +68,14 @@ class PackedLayerKV(PagedLayerKV):
             else:
                 keys = self.k[segment.read_slots].transpose(0, 1)[None]  # (1, Hkv, start + length, D)
                 values = self.v[segment.read_slots].transpose(0, 1)[None]
-            mask = build_mask(n_queries=segment.length, n_keys=keys.shape[2], causal=True, dtype=dtype, device=q.device)
-            outputs.append(sdpa_attention(q[:, :, columns].to(dtype), keys, values, mask, 0.0)[0])
+            queries = q[:, :, columns].to(dtype)
+            out = causal_attention(queries, keys, values)  # bf16 on the CPU; None elsewhere
+            if out is None:
+                mask = build_mask(
+                    n_queries=segment.length, n_keys=keys.shape[2], causal=True, dtype=dtype, device=q.device
+                )
+                out = sdpa_attention(queries, keys, values, mask, 0.0)[0]
+            outputs.append(out)
         return torch.cat(outputs, dim=2).to(q.dtype)
 
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
