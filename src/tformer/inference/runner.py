@@ -319,9 +319,10 @@ def step_inputs(
     kv: PagedKVCache, tables: list[list[int]], chunks: list[list[int]], starts: list[int], pack: bool
 ) -> tuple[StepBatch, list[PagedLayerKV]]:
     """The batch and every layer's cache view for one forward over chunks[i] from position starts[i] through block
-    table tables[i]: packed in one row when `pack` and there are prompt chunks to share it, else padded (B, T)."""
+    table tables[i]: prompt chunks packed in one row when `pack` (a single one too, for the attention kernel packed
+    steps use), else padded (B, T)."""
     device = kv.k[0].device
-    if pack and len(chunks) > 1 and min(len(chunk) for chunk in chunks) > 1:
+    if pack and min(len(chunk) for chunk in chunks) > 1:
         return StepBatch.pack(chunks, starts, device), packed_views(kv, tables, starts, [len(c) for c in chunks])
     batch = StepBatch.build(chunks, starts, device)
     return batch, kv.step_views(tables, batch.positions)
