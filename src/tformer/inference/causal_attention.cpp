@@ -27,14 +27,18 @@ struct Layout {
 
 #ifdef TFORMER_VECTOR_ATTENTION
 constexpr int64_t BLOCK_QUERIES = 16;  // queries of each query head a task takes, over one KV head
-constexpr int64_t ROWS_AT_ONCE = 8;    // query rows scored together: one load of a key tile row serves eight
+constexpr int64_t TILES = 2;           // registers of keys a step scores: KEYS keys, one softmax update a row
+constexpr int64_t KEYS = TILES * WIDTH;
+// Query rows scored together, so that each load of keys serves them all: as many as the registers allow (AVX-512
+// has 32, AVX2 16), ROWS_AT_ONCE x TILES sums and TILES loads.
+constexpr int64_t ROWS_AT_ONCE = WIDTH == 16 ? 8 : 4;
 
-// The floats a task's scratch holds: rows x D queries and sums, rows x WIDTH weights, and each row's top score,
+// The floats a task's scratch holds: rows x D queries and sums, rows x KEYS weights, and each row's top score,
 // weight sum and rescaling factor.
-static int64_t scratch_floats(int64_t rows, int64_t D) { return 2 * rows * D + rows * WIDTH + 3 * rows; }
+static int64_t scratch_floats(int64_t rows, int64_t D) { return 2 * rows * D + rows * KEYS + 3 * rows; }
 
 // KV head g of batch row b as floats, once for all its tasks: keys transposed (D x width, so that a register holds
-// one dimension of WIDTH keys) and values (width x D), zeros past the Tk keys up to `width`, a multiple of WIDTH.
+// one dimension of WIDTH keys) and values (width x D), zeros past the Tk keys up to `width`, a multiple of KEYS.
 template <typename T>
 static void convert_head(const T* k, const T* v, const Layout& s, int64_t b, int64_t g, int64_t width, float* keys,
                          float* values) {
@@ -49,14 +53,14 @@ static void convert_head(const T* k, const T* v, const Layout& s, int64_t b, int
 
 // One task: query heads g * rep .. (g + 1) * rep - 1 of batch row b, queries q0 .. q0 + BLOCK_QUERIES - 1 (as
 // `rows` rows, query head by query head, padded to a multiple of ROWS_AT_ONCE), against KV head g: flash
-// attention's online softmax over WIDTH keys at a time, the keys in the lanes of each score register.
+// attention's online softmax over KEYS keys at a time, the keys in the lanes of each score register.
 template <typename T>
 static void attend_block(const T* q, const float* KT, const float* VT, int64_t width, T* out, const Layout& s,
                          int64_t b, int64_t g, int64_t q0, float scale, float* scratch) {
     const int64_t rep = s.H / s.Hkv, n = std::min(BLOCK_QUERIES, s.T - q0), D = s.D;
     const int64_t used = rep * n, rows = (used + ROWS_AT_ONCE - 1) / ROWS_AT_ONCE * ROWS_AT_ONCE;
     float *Q = scratch, *O = Q + rows * D, *P = O + rows * D;
-    float *top = P + rows * WIDTH, *total = top + rows, *rescale = total + rows;
+    float *top = P + rows * KEYS, *total = top + rows, *rescale = total + rows;
     const auto row_query = [&](int64_t r) { return std::min(r, used - 1) % n; };  // padding rows repeat the last
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t head = g * rep + std::min(r, used - 1) / n;
@@ -68,27 +72,41 @@ static void attend_block(const T* q, const float* KT, const float* VT, int64_t w
     }
     const int64_t offset = s.Tk - s.T, last = offset + q0 + n - 1;  // the block's last query sees keys 0 .. last
     const V lanes = Lanes::lane_index();
-    for (int64_t j0 = 0; j0 <= last; j0 += WIDTH) {
-        const int64_t m = std::min(WIDTH, last + 1 - j0);
+    for (int64_t j0 = 0; j0 <= last; j0 += KEYS) {
+        const int64_t m = std::min(KEYS, last + 1 - j0);
         for (int64_t r0 = 0; r0 < rows; r0 += ROWS_AT_ONCE) {
-            V score[ROWS_AT_ONCE];
-            for (int64_t i = 0; i < ROWS_AT_ONCE; ++i) score[i] = Lanes::zero();
+            V score[ROWS_AT_ONCE][TILES];
+            for (int64_t i = 0; i < ROWS_AT_ONCE; ++i)
+                for (int64_t t = 0; t < TILES; ++t) score[i][t] = Lanes::zero();
             for (int64_t d = 0; d < D; ++d) {
-                const V column = Lanes::load(KT + d * width + j0);
-                for (int64_t i = 0; i < ROWS_AT_ONCE; ++i)
-                    score[i] = Lanes::fmadd(Lanes::set1(Q[(r0 + i) * D + d]), column, score[i]);
+                V column[TILES];
+                for (int64_t t = 0; t < TILES; ++t) column[t] = Lanes::load(KT + d * width + j0 + t * WIDTH);
+                for (int64_t i = 0; i < ROWS_AT_ONCE; ++i) {
+                    const V query = Lanes::set1(Q[(r0 + i) * D + d]);
+                    for (int64_t t = 0; t < TILES; ++t) score[i][t] = Lanes::fmadd(query, column[t], score[i][t]);
+                }
             }
             for (int64_t i = 0; i < ROWS_AT_ONCE; ++i) {
                 const int64_t r = r0 + i;
-                const V limit = Lanes::set1(float(offset + q0 + row_query(r) - j0));  // the row's last visible lane
-                const V masked = Lanes::fill_above(score[i], lanes, limit, Lanes::set1(-INFINITY));
-                const float best = std::fmax(top[r], Lanes::reduce_max(masked));
-                const V weights = Lanes::fill_above(exp_lanes(Lanes::sub(masked, Lanes::set1(best))), lanes, limit,
-                                                    Lanes::zero());
+                const float visible = float(offset + q0 + row_query(r) - j0);  // the row's last visible key here
+                V masked[TILES], weights[TILES];
+                V most = Lanes::set1(-INFINITY), sum = Lanes::zero();
+                for (int64_t t = 0; t < TILES; ++t) {
+                    const V limit = Lanes::set1(visible - float(t * WIDTH));
+                    masked[t] = Lanes::fill_above(score[i][t], lanes, limit, Lanes::set1(-INFINITY));
+                    most = Lanes::max(most, masked[t]);
+                }
+                const float best = std::fmax(top[r], Lanes::reduce_max(most));
+                for (int64_t t = 0; t < TILES; ++t) {
+                    const V limit = Lanes::set1(visible - float(t * WIDTH));
+                    const V e = exp_lanes(Lanes::sub(masked[t], Lanes::set1(best)));
+                    weights[t] = Lanes::fill_above(e, lanes, limit, Lanes::zero());
+                    sum = Lanes::add(sum, weights[t]);
+                    Lanes::store(P + r * KEYS + t * WIDTH, weights[t]);
+                }
                 rescale[r] = std::exp(top[r] - best);  // 0 before the first key
-                total[r] = total[r] * rescale[r] + Lanes::reduce_add(weights);
+                total[r] = total[r] * rescale[r] + Lanes::reduce_add(sum);
                 top[r] = best;
-                Lanes::store(P + r * WIDTH, weights);
             }
             for (int64_t c = 0; c < D; c += WIDTH) {
                 V sums[ROWS_AT_ONCE];
@@ -97,7 +115,7 @@ static void attend_block(const T* q, const float* KT, const float* VT, int64_t w
                 for (int64_t j = 0; j < m; ++j) {
                     const V value = Lanes::load(VT + (j0 + j) * D + c);
                     for (int64_t i = 0; i < ROWS_AT_ONCE; ++i)
-                        sums[i] = Lanes::fmadd(Lanes::set1(P[(r0 + i) * WIDTH + j]), value, sums[i]);
+                        sums[i] = Lanes::fmadd(Lanes::set1(P[(r0 + i) * KEYS + j]), value, sums[i]);
                 }
                 for (int64_t i = 0; i < ROWS_AT_ONCE; ++i) Lanes::store(O + (r0 + i) * D + c, sums[i]);
             }
@@ -116,7 +134,7 @@ template <typename T>
 static int attend(const T* q, const T* k, const T* v, T* out, const Layout& s, int threads) {
     const int64_t blocks = (s.T + BLOCK_QUERIES - 1) / BLOCK_QUERIES, rep = s.H / s.Hkv;
     const int64_t rows = (rep * BLOCK_QUERIES + ROWS_AT_ONCE - 1) / ROWS_AT_ONCE * ROWS_AT_ONCE;
-    const int64_t width = (s.Tk + WIDTH - 1) / WIDTH * WIDTH, head_floats = 2 * width * s.D;
+    const int64_t width = (s.Tk + KEYS - 1) / KEYS * KEYS, head_floats = 2 * width * s.D;
     const float scale = float(std::pow(double(s.D), -0.5));  // as Python's D ** -0.5
     std::unique_ptr<float[]> heads(new (std::nothrow) float[s.B * s.Hkv * head_floats]);
     if (!heads) return -2;
