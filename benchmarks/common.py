@@ -169,7 +169,7 @@ def machine_info() -> str:
 
 def kernel_paths() -> str:
     """Which attention and integer-matmul kernels tformer's engine runs on this machine, for a report's header."""
-    from tformer.inference import elementwise, int4, paged_attention, w8a8
+    from tformer.inference import causal_attention, elementwise, int4, paged_attention, w8a8
 
     if paged_attention.kernel() is None:
         attention = "gathered keys and values (the in-place kernel is unavailable here)"
@@ -191,6 +191,9 @@ def kernel_paths() -> str:
     else:
         fused = f"fused kernels (SiLU on {elementwise.instructions()} lanes)"
     lines.append(f"tformer eager RMSNorm, rotary and SwiGLU in bf16: {fused}")
+    width = causal_attention.lane_width()
+    prompts = f"the causal kernel on {width} lanes, up to {causal_attention.MAX_KEYS} keys" if width else "torch's SDPA"
+    lines.append(f"tformer prompt attention in bf16 (packed steps): {prompts}")
     return "\n".join(lines)
 
 
