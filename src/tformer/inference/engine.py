@@ -200,7 +200,7 @@ class Engine:
         batch, views = step_inputs(self.kv, [seq.table for seq in seqs], chunks, starts, pack)
         logits = self.runner.logits(seqs, batch, views)  # (B, V)
         if self.drafter is not None:
-            self.drafter.follow(seqs, chunks, starts)
+            self.drafter.follow(seqs, chunks, starts, self.config.pack_prompts)
         greedy = greedy_tokens(logits).tolist() if any(seq.params.greedy for seq in seqs) else None  # one call
         outputs = []
         for row, (seq, n) in enumerate(scheduled):

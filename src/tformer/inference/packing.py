@@ -11,6 +11,9 @@ attention per sequence (a `Segment`), over its own new keys, or over the keys it
 
 Packing holds for decoders whose every self-attention layer attends plainly (`Attention.attends_plainly`): no
 sliding window, position bias (ALiBi), other attention or state carried along the row (`DecoderRunner.packs`).
+In bf16 on the CPU a sequence's attention takes tformer's causal kernel (`causal_attention`), elsewhere torch's
+SDPA with the mask `build_mask` makes for its shape; in fp32 each sequence thus attends exactly as the uncached
+forward of that sequence alone does.
 """
 
 from __future__ import annotations

@@ -179,14 +179,14 @@ class Drafter:
         self.runner = DecoderRunner(draft, compile)
         self.kv = kv
 
-    def follow(self, seqs: list[Sequence], chunks: list[list[int]], starts: list[int]) -> None:
+    def follow(self, seqs: list[Sequence], chunks: list[list[int]], starts: list[int], pack: bool = True) -> None:
         """Runs the draft over the tokens the target has just run (chunks[i] from position starts[i]; prompt chunks
-        packed in one row where the draft allows it): its cache keeps pace.
+        packed in one row with `pack`, where the draft allows it too): its cache keeps pace.
 
         A sequence whose draft cache lagged behind (a beam, say) is left behind; it is never drafted for.
         """
         tables = [seq.table for seq in seqs]
-        batch, views = step_inputs(self.kv, tables, chunks, starts, self.runner.packs())
+        batch, views = step_inputs(self.kv, tables, chunks, starts, pack and self.runner.packs())
         self.runner.logits(seqs, batch, views)
         for seq, start, chunk in zip(seqs, starts, chunks, strict=True):
             if seq.draft_computed == start:
