@@ -55,11 +55,11 @@ class StepBatch:
     def build(cls, chunks: list[list[int]], starts: list[int], device: torch.device) -> StepBatch:
         """Row i holds chunks[i], the tokens at positions starts[i], starts[i] + 1, ..."""
         width = max(len(chunk) for chunk in chunks)
-        tokens = torch.zeros(len(chunks), width, dtype=torch.long)
-        positions = torch.full((len(chunks), width), -1, dtype=torch.long)
-        for row, (chunk, start) in enumerate(zip(chunks, starts, strict=True)):
-            tokens[row, : len(chunk)] = torch.tensor(chunk)
-            positions[row, : len(chunk)] = torch.arange(start, start + len(chunk))
+        rows = list(zip(chunks, starts, strict=True))  # whole rows built in Python, then one tensor each
+        tokens = torch.tensor([chunk + [0] * (width - len(chunk)) for chunk, _ in rows])
+        positions = torch.tensor(
+            [[*range(start, start + len(chunk)), *[-1] * (width - len(chunk))] for chunk, start in rows]
+        )
         last_index = torch.tensor([len(chunk) - 1 for chunk in chunks])
         last_slots = not any(starts) or (width > 1 and len(set(starts)) == 1)
         return cls(tokens.to(device), positions.to(device), last_index.to(device), last_slots)
