@@ -89,18 +89,17 @@ static void attend_block(const T* q, const float* KT, const float* VT, int64_t w
             for (int64_t i = 0; i < ROWS_AT_ONCE; ++i) {
                 const int64_t r = r0 + i;
                 const float visible = float(offset + q0 + row_query(r) - j0);  // the row's last visible key here
-                V masked[TILES], weights[TILES];
+                V limit[TILES], masked[TILES], weights[TILES];
                 V most = Lanes::set1(-INFINITY), sum = Lanes::zero();
                 for (int64_t t = 0; t < TILES; ++t) {
-                    const V limit = Lanes::set1(visible - float(t * WIDTH));
-                    masked[t] = Lanes::fill_above(score[i][t], lanes, limit, Lanes::set1(-INFINITY));
+                    limit[t] = Lanes::set1(visible - float(t * WIDTH));
+                    masked[t] = Lanes::fill_above(score[i][t], lanes, limit[t], Lanes::set1(-INFINITY));
                     most = Lanes::max(most, masked[t]);
                 }
                 const float best = std::fmax(top[r], Lanes::reduce_max(most));
                 for (int64_t t = 0; t < TILES; ++t) {
-                    const V limit = Lanes::set1(visible - float(t * WIDTH));
                     const V e = exp_lanes(Lanes::sub(masked[t], Lanes::set1(best)));
-                    weights[t] = Lanes::fill_above(e, lanes, limit, Lanes::zero());
+                    weights[t] = Lanes::fill_above(e, lanes, limit[t], Lanes::zero());
                     sum = Lanes::add(sum, weights[t]);
                     Lanes::store(P + r * KEYS + t * WIDTH, weights[t]);
                 }

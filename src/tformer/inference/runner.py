@@ -71,6 +71,7 @@ class StepBatch:
         spans = zip(chunks, starts, strict=True)
         positions = torch.cat([torch.arange(start, start + len(chunk)) for chunk, start in spans])
         last_index = torch.tensor(list(itertools.accumulate(len(chunk) for chunk in chunks))) - 1
+        # last_slots: the stack's mask over the row stays plain causal (cheap); the cache attends, and never reads it
         return cls(tokens.to(device), positions[None].to(device), last_index.to(device), True, packed=True)
 
     def last_hidden(self, hidden: torch.Tensor) -> torch.Tensor:

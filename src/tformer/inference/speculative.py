@@ -185,8 +185,10 @@ class Drafter:
 
         A sequence whose draft cache lagged behind (a beam, say) is left behind; it is never drafted for.
         """
-        tables = [seq.table for seq in seqs]
-        batch, views = step_inputs(self.kv, tables, chunks, starts, pack and self.runner.packs())
+        prompts = min(len(chunk) for chunk in chunks) > 1  # a decode group never packs: spare the layer walk
+        batch, views = step_inputs(
+            self.kv, [seq.table for seq in seqs], chunks, starts, pack and prompts and self.runner.packs()
+        )
         self.runner.logits(seqs, batch, views)
         for seq, start, chunk in zip(seqs, starts, chunks, strict=True):
             if seq.draft_computed == start:
