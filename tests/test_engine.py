@@ -176,6 +176,25 @@ def test_compiled_decode_steps_give_the_uncached_tokens(preset: str) -> None:
     assert [alone, *together] == [expected[0], *expected]
 
 
+def test_a_stack_uses_the_rotary_angles_its_inputs_carry() -> None:
+    """`StackInputs.rotary`, the (cos, sin) that a compiled decode step's caller computes once a step
+    (`runner.CompiledDecode`): the stack's output with them equals its output when it computes them itself, and
+    other angles change it, so they are what it reads."""
+    from dataclasses import replace
+
+    from tformer.models.stack import StackInputs
+
+    model = make_model(tiny_config("tiny-llama")).eval()
+    stack, tokens = model.decoder, torch.tensor([[5, 17, 3, 44, 9, 12]])
+    inputs = StackInputs.from_prefix(tokens)
+    with torch.no_grad():
+        own = stack(tokens, inputs)
+        given = stack(tokens, replace(inputs, rotary=stack.positions.rotary(inputs.positions)))
+        doubled = stack(tokens, replace(inputs, rotary=stack.positions.rotary(2 * inputs.positions)))
+    assert torch.equal(given, own)
+    assert (doubled - own).abs().max() > 1e-3  # twice the distances between tokens: other attention scores
+
+
 def test_compiled_engines_of_two_models_keep_their_own_graphs_and_read_weights_in_place() -> None:
     """The compiled step keeps no guards on the model's modules (runner.DECODE_COMPILE_OPTIONS): each engine's step
     has its own graph cache, so a second model of another shape in the same process gets its own graph, and

@@ -157,6 +157,8 @@ class RotaryPositions(PositionScheme):
                 inv_freq = rope_inv_freq(self.config, seq_len)[0].to(inv_freq.device)
         angles = positions[..., None].float() * inv_freq  # (B, T, head_dim/2)
         angles = torch.cat([angles, angles], dim=-1)  # (B, T, head_dim)
+        if self.scale == 1.0:  # YaRN's attention scale; others leave it at 1
+            return angles.cos(), angles.sin()
         return angles.cos() * self.scale, angles.sin() * self.scale
 
 

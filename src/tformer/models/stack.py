@@ -13,6 +13,7 @@ from tformer.config import ModelConfig
 from tformer.layers import AttentionMask, Block, Dropout, make_norm, make_positions
 from tformer.layers.kv_cache import KVCache, LayerCache
 from tformer.layers.masks import build_mask
+from tformer.layers.positions import Rotary
 
 
 def default_positions(n_keys: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -39,6 +40,9 @@ class StackInputs:
     n_keys: int
     query_slots: torch.Tensor | None = None  # (B|1, T) each token's slot among the keys; None: the last T
     key_padding: torch.Tensor | None = None  # (B, Tk) True for real tokens
+    # the (cos, sin) of `positions` when computed ahead (a compiled step's caller does: see `CompiledDecode`);
+    # None: the stack computes them
+    rotary: Rotary | None = None
 
     @classmethod
     def from_prefix(
@@ -184,7 +188,7 @@ class TransformerStack(nn.Module):
             prefix_lengths=prefix_lengths,
             global_tokens=global_tokens,
         )
-        rotary = self.positions.rotary(inputs.positions)
+        rotary = inputs.rotary if inputs.rotary is not None else self.positions.rotary(inputs.positions)
         memory_mask = None
         if memory is not None or memory_padding is not None:
             n_memory = memory.shape[1] if memory is not None else memory_padding.shape[1]
