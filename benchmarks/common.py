@@ -155,16 +155,7 @@ def machine_info() -> str:
     report. The numbers tell apart CPUs that a hypervisor names alike: "AMD EPYC" has named a Zen 4 (family 25,
     model 17) and a CPU with AVX-VNNI, which Zen 4 lacks."""
     cpu = platform.processor() or "unknown CPU"
-    fields = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if not key.strip():
-                    break  # the first processor's block ends
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
+    fields = cpuinfo() or {}
     if "model name" in fields:
         cpu = f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
     return (
@@ -206,14 +197,29 @@ def kernel_paths() -> str:
 MATMUL_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512f", "avx2")
 
 
+def cpuinfo() -> dict[str, str] | None:
+    """The first processor's fields in /proc/cpuinfo ("model name", "cpu family", "flags", ...), or None where the
+    file cannot be read."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not key.strip():
+                    break  # the first processor's block ends
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return None
+    return fields
+
+
 def cpu_flags() -> str:
     """The CPU features that decide which matmul kernels oneDNN and fbgemm pick (AMX tiles, AVX-512 BF16, VNNI):
     the same benchmark runs 2-5x apart on machines that differ here, so every report names them."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            present = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
+    fields = cpuinfo()
+    if fields is None:
         return "unknown"
+    present = set(fields.get("flags", "").split())
     return " ".join(flag for flag in MATMUL_FLAGS if flag in present) or "none of " + ", ".join(MATMUL_FLAGS)
 
 
