@@ -15,7 +15,7 @@ import random
 import statistics
 import time
 
-from tformer.inference.paged import BlockAllocator
+from tformer.inference.blocks import BlockAllocator
 from tformer.inference.sampling import SamplingParams
 from tformer.inference.scheduler import Scheduler, Sequence
 

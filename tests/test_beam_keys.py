@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from conftest import make_model, tiny_config
 
+from tformer.inference.blocks import BlockAllocator, BlockHash
 from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.paged import BlockAllocator, BlockHash
 from tformer.inference.sampling import SamplingParams
 from tformer.inference.search import beam_search_decoder
 

@@ -350,7 +350,7 @@ def test_abort_frees_blocks() -> None:
 
 
 def test_block_pool_reference_counts_and_lru_eviction() -> None:
-    from tformer.inference.paged import BlockAllocator, NoFreeBlocks
+    from tformer.inference.blocks import BlockAllocator, NoFreeBlocks
 
     allocator = BlockAllocator(num_blocks=4, block_size=2)
     a: list[int] = []
@@ -375,7 +375,8 @@ def test_block_pool_reference_counts_and_lru_eviction() -> None:
 
 
 def test_copy_on_write_copies_the_block_contents() -> None:
-    from tformer.inference.paged import BlockCopy, PagedKVCache
+    from tformer.inference.blocks import BlockCopy
+    from tformer.inference.paged import PagedKVCache
 
     kv = PagedKVCache(n_layers=2, num_blocks=3, block_size=2, n_kv_heads=1, head_dim=3, dtype=torch.float32)
     for layer in kv.k + kv.v:

@@ -9,9 +9,9 @@ import torch
 from conftest import make_model, tiny_config
 from helpers import prompts_of_mixed_lengths, reference_greedy
 
-from tformer.inference import paged
+from tformer.inference import blocks
+from tformer.inference.blocks import BlockAllocator, BlockHash
 from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.paged import BlockAllocator, BlockHash
 from tformer.inference.sampling import SamplingParams
 from tformer.inference.scheduler import Scheduler, Sequence
 from tformer.inference.search import beam_search_decoder
@@ -30,7 +30,7 @@ def test_each_full_block_is_hashed_once_however_many_steps(monkeypatch) -> None:
             super().__init__(parent, tokens)
             made.append(self)
 
-    monkeypatch.setattr(paged, "BlockHash", CountedHash)
+    monkeypatch.setattr(blocks, "BlockHash", CountedHash)
     allocator = BlockAllocator(num_blocks=40, block_size=16)
     scheduler = Scheduler(allocator, prefix_caching=True)
     tokens = torch.randint(0, 1000, (512 + 64,), generator=torch.Generator().manual_seed(0)).tolist()

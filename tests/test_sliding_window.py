@@ -7,8 +7,9 @@ import torch
 from conftest import make_model, tiny_config
 from helpers import reference_greedy
 
+from tformer.inference.blocks import FREED
 from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.paged import FREED, kv_bytes_per_token
+from tformer.inference.paged import kv_bytes_per_token
 from tformer.inference.sampling import SamplingParams
 from tformer.inference.search import beam_search_decoder
 from tformer.info import model_info

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tformer.inference.paged import BlockAllocator
+from tformer.inference.blocks import BlockAllocator
 from tformer.inference.scheduler import Sequence, Status
 from tformer.inference.search import Beams
 

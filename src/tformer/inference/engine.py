@@ -28,8 +28,9 @@ import torch
 
 from tformer.config import ConfigError
 from tformer.inference.beams import BeamGroup
+from tformer.inference.blocks import BlockAllocator
 from tformer.inference.outputs import Completion, OutputProcessor, RequestOutput, accumulate
-from tformer.inference.paged import BlockAllocator, kv_bytes_per_token, paged_cache_for
+from tformer.inference.paged import kv_bytes_per_token, paged_cache_for
 from tformer.inference.requests import InputProcessor, Request
 from tformer.inference.runner import StepBatch, group_by_width, make_runner, step_inputs
 from tformer.inference.sampling import RequestError, SamplingParams, greedy_tokens, sample_token, sampling_probs

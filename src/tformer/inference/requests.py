@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tformer.errors import RequestError
 from tformer.inference.beams import BeamGroup
-from tformer.inference.paged import BlockAllocator
+from tformer.inference.blocks import BlockAllocator
 from tformer.inference.runner import ModelRunner
 from tformer.inference.sampling import SamplingParams, make_generator
 from tformer.inference.scheduler import Scheduler, Sequence, Status

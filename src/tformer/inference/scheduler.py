@@ -25,7 +25,7 @@ from enum import Enum
 
 import torch
 
-from tformer.inference.paged import BlockAllocator, BlockCopy, BlockHash
+from tformer.inference.blocks import BlockAllocator, BlockCopy, BlockHash
 from tformer.inference.sampling import SamplingParams
 
 
