@@ -28,6 +28,11 @@ time to first token (TTFT) and decode tokens/s after the first token, counted fr
 each): with 3 (3,792 tokens), every decode step attends over 3,792-3,920 keys, whose cache (90 MB for SmolLM2 in
 bf16) no longer fits in the CPU's caches, so attention reads it from memory at every step.
 
+`--kv-cache-dtype int8` stores keys and values as 8-bit numbers on both sides: tformer's int8 cache (one scale per
+token and KV head, `EngineConfig(kv_cache_dtype="int8")`) and llama.cpp's q8_0 (one scale per 32 numbers, with its
+flash attention, which a quantized value cache needs); tformer's perplexity is then its forward with keys and values
+rounded as that cache stores them, llama.cpp's is read with its q8_0 cache.
+
 The bandwidth share is weight bytes read per decode token x decode tokens/s / measured large-copy bandwidth
 (`tformer.inference.bench.copy_bandwidth`, which counts the bytes read and the bytes written). A pure read of a
 large tensor (`read_bandwidth`, torch.sum) is printed beside it: no decoder that streams its weights can
@@ -67,12 +72,14 @@ from common import (  # noqa: E402
 )
 from conftest import smollm2_path  # noqa: E402
 from engine_vs_hf import chat_ids, read_bandwidth  # noqa: E402
+from test_engine_kv_int8 import StoredAsInt8  # noqa: E402
 from test_interop_gguf import john_1, perplexity  # noqa: E402
 
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tformer.inference.bench import copy_bandwidth, weight_bytes_per_token  # noqa: E402
 from tformer.inference.quantize import model_bytes, set_precision  # noqa: E402
 from tformer.interop.loading import load_pretrained  # noqa: E402
+from tformer.layers.kv_cache import LayerCache  # noqa: E402
 
 LLAMACPP = "llama.cpp"
 DEFAULT_PROMPT = "Tell me a short story about a lighthouse keeper."
@@ -124,10 +131,26 @@ def describe_weights(name: str, path: Path) -> str:
     return f"{linears} (quantized from fp32), {dtype} activations and embedding (row lookups only){compiled}"
 
 
-def load_llamacpp(path: Path, threads: int, context: int):
+def llamacpp_cache_args(kv_cache_dtype: str) -> dict:
+    """llama.cpp's settings for the KV cache tformer's `kv_cache_dtype` names: q8_0 keys and values for int8."""
+    import llama_cpp
+
+    if kv_cache_dtype == "auto":
+        return {}
+    return {"type_k": llama_cpp.GGML_TYPE_Q8_0, "type_v": llama_cpp.GGML_TYPE_Q8_0, "flash_attn": True}
+
+
+def load_llamacpp(path: Path, threads: int, context: int, kv_cache_dtype: str = "auto"):
     from llama_cpp import Llama
 
-    return Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=context, verbose=False)
+    return Llama(
+        model_path=str(path),
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=context,
+        verbose=False,
+        **llamacpp_cache_args(kv_cache_dtype),
+    )
 
 
 def load_tformer_variants(path: Path, variants: list[str]) -> tuple[dict[str, torch.nn.Module], object]:
@@ -139,13 +162,19 @@ def load_tformer_variants(path: Path, variants: list[str]) -> tuple[dict[str, to
     return models, tokenizer
 
 
-def perplexities(models: dict[str, torch.nn.Module], path: Path, ids: list[int], threads: int) -> dict[str, float]:
-    """exp(mean next-token cross-entropy) over `ids`: each tformer model's uncached forward, and llama.cpp's."""
+def perplexities(
+    models: dict[str, torch.nn.Module], path: Path, ids: list[int], threads: int, kv_cache_dtype: str = "auto"
+) -> dict[str, float]:
+    """exp(mean next-token cross-entropy) over `ids`: each tformer model's uncached forward (keys and values rounded
+    as the int8 cache stores them with `kv_cache_dtype="int8"`), and llama.cpp's with the matching cache."""
     from llama_cpp import Llama
 
     batch = torch.tensor([ids])
+    result = {}
     with torch.no_grad():
-        result = {name: perplexity(batch, model(batch).float()) for name, model in models.items()}
+        for name, model in models.items():
+            cache = [LayerCache(StoredAsInt8()) for _ in model.decoder.layers] if kv_cache_dtype == "int8" else None
+            result[name] = perplexity(batch, model(batch, cache=cache).float())
     llama = Llama(
         model_path=str(path),
         n_threads=threads,
@@ -154,6 +183,7 @@ def perplexities(models: dict[str, torch.nn.Module], path: Path, ids: list[int],
         n_batch=512,
         logits_all=True,
         verbose=False,
+        **llamacpp_cache_args(kv_cache_dtype),
     )
     llama.eval(ids)
     result[LLAMACPP] = perplexity(batch, torch.from_numpy(llama.scores[: len(ids)].copy()).float()[None])
@@ -254,6 +284,12 @@ def main() -> None:
         metavar="COPIES",
         help="ask for a summary of COPIES copies of John 1 instead (about 1,250 tokens each): a long context",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "int8"],
+        default="auto",
+        help="int8: tformer's int8 KV cache against llama.cpp's q8_0 one (default: the model's dtype / f16)",
+    )
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted({v.removesuffix(COMPILE) for v in variants} - set(VARIANTS))
@@ -269,14 +305,18 @@ def main() -> None:
     print(load_report("before"))
     models, tokenizer = load_tformer_variants(path, variants)
     engines = {
-        name: Engine(m, tokenizer, EngineConfig(prefix_caching=False, compile=name.endswith(COMPILE)))
+        name: Engine(
+            m,
+            tokenizer,
+            EngineConfig(prefix_caching=False, compile=name.endswith(COMPILE), kv_cache_dtype=args.kv_cache_dtype),
+        )
         for name, m in models.items()
     }
     message = args.prompt
     if args.long_prompt:
         message = "Summarize this text.\n\n" + "\n\n".join([john_1()] * args.long_prompt)
     prompt = chat_ids(tokenizer, message)
-    llama = load_llamacpp(path, threads, context=len(prompt) + args.tokens + 64)
+    llama = load_llamacpp(path, threads, len(prompt) + args.tokens + 64, args.kv_cache_dtype)
     import llama_cpp
 
     bench = Batch1(engines, llama, prompt, args.tokens)
@@ -288,7 +328,8 @@ def main() -> None:
     weight_bytes[LLAMACPP] = gguf_weight_bytes(path)
     resident = {name: model_bytes(m) for name, m in models.items()} | {LLAMACPP: weight_bytes[LLAMACPP]}
     formats = {name: describe_weights(name, path) for name in bench.results}
-    ppl = perplexities(models, path, tokenizer.encode(john_1()), threads) if args.perplexity else {}
+    john = tokenizer.encode(john_1())
+    ppl = perplexities(models, path, john, threads, args.kv_cache_dtype) if args.perplexity else {}
 
     print(
         f"\nbatch-1 greedy, prompt {len(prompt)} tokens, {args.tokens} new tokens (end-of-sequence ignored), "
@@ -296,6 +337,8 @@ def main() -> None:
         f"(a pure read: {reading / 1e9:.1f} GB/s, {reading / bandwidth:.0%} of it, the ceiling of the BW share)"
     )
     print(f"llama-cpp-python {llama_cpp.__version__}, torch {torch.__version__}")
+    if args.kv_cache_dtype == "int8":
+        print("KV caches: tformer int8 (a scale per token and KV head), llama.cpp q8_0 (with flash attention)")
     if ppl:
         print(
             "perplexity: John 1 (World English Bible), one forward over its "

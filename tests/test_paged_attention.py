@@ -1,4 +1,5 @@
-"""The paged decode attention kernel against the plain softmax formula, inside a compiled graph, and in the engine."""
+"""The paged decode attention kernel (bf16, fp32 and int8 caches) against the plain softmax formula, inside a compiled
+graph, and in the engine."""
 
 from __future__ import annotations
 
@@ -51,6 +52,23 @@ def softmax_formula(q, k, v, slots, lengths) -> torch.Tensor:
     return out
 
 
+def int8_case(*args, **kwargs):
+    """paged_case's queries, slots and lengths over an int8 cache instead: random integers in [-127, 127] and a
+    positive float32 scale per (slot, KV head), 0.002 to 0.02, for values of magnitude ~1 like paged_case's.
+    Gives (q, k, v, slots, lengths, k_scale, v_scale)."""
+    q, k, _, slots, lengths = paged_case(*args, **kwargs)
+    generator = torch.Generator().manual_seed(1)
+    k, v = (torch.randint(-127, 128, k.shape, generator=generator).to(torch.int8) for _ in range(2))
+    k_scale, v_scale = (torch.rand(k.shape[:2], generator=generator) * 0.018 + 0.002 for _ in range(2))
+    return q, k, v, slots, lengths, k_scale, v_scale
+
+
+def dequantized(case, dtype: torch.dtype = torch.float64):
+    """An int8 case as paged_decode_attention's arguments over the cache it stands for, its values in `dtype`."""
+    q, k, v, slots, lengths, k_scale, v_scale = case
+    return q, (k.to(dtype) * k_scale[..., None]), (v.to(dtype) * v_scale[..., None]), slots, lengths
+
+
 # vectorized: D % 16 (AVX2: 8) == 0, its loops unrolled for 64 and 128; generic: the portable loop
 @pytest.mark.parametrize(
     "head_dim", [64, 128, 48, 20], ids=["vectorized", "vectorized-128", "vectorized-48", "generic"]
@@ -89,10 +107,67 @@ def test_long_rows_split_across_threads_equal_the_softmax_formula(
     torch.testing.assert_close(out.double(), softmax_formula(*case), atol=tolerance, rtol=tolerance)
 
 
+# The int8 cache, dequantized where the kernel converts keys and values to fp32 (the portable loop: D = 20, not a
+# multiple of 16 or 8), against the formula over the same values in float64: the same margins as the float caches.
+@pytest.mark.parametrize("head_dim", [64, 128, 20], ids=["vectorized", "vectorized-128", "generic"])
+@pytest.mark.parametrize("n_heads, n_kv_heads", [(9, 3), (4, 1)], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("many_rows", [False, True], ids=["few-rows", "many-rows"])
+def test_int8_kernel_equals_the_softmax_formula(
+    head_dim: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype, many_rows: bool
+) -> None:
+    case = int8_case(4 * torch.get_num_threads() + 2 if many_rows else 3, n_heads, n_kv_heads, head_dim, dtype)
+    out = paged_decode_attention(*case)
+    assert out.dtype == dtype and out.shape == case[0].shape
+    tolerance = 1e-5 if dtype == torch.float32 else BF16_MARGIN
+    torch.testing.assert_close(out.double(), softmax_formula(*dequantized(case)), atol=tolerance, rtol=tolerance)
+
+
+# As test_long_rows_split_across_threads_equal_the_softmax_formula, over an int8 cache
+@pytest.mark.parametrize("rows, n_heads, n_kv_heads", [(1, 9, 3), (3, 4, 1)], ids=["one-row-gqa", "three-rows-mqa"])
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_long_rows_split_across_threads_equal_the_softmax_formula(
+    rows: int, n_heads: int, n_kv_heads: int, threads: int, dtype: torch.dtype
+) -> None:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        case = int8_case(rows, n_heads, n_kv_heads, 64, dtype, block=16, longest=601)
+        out = paged_decode_attention(*case)
+    finally:
+        torch.set_num_threads(previous)
+    tolerance = 1e-5 if dtype == torch.float32 else BF16_MARGIN
+    torch.testing.assert_close(out.double(), softmax_formula(*dequantized(case)), atol=tolerance, rtol=tolerance)
+
+
+# The vectorized paths multiply each value by its scale as the fp32 cache would hold it, then run the same code
+# (equal to the bit); the portable loop multiplies each score and weight by the scale instead (an fp32 rounding or
+# two apart): within 1e-6 either way.
+@pytest.mark.parametrize("head_dim", [64, 20], ids=["vectorized", "generic"])
+@pytest.mark.parametrize("tasks", ["few-rows", "many-rows", "split"])
+def test_int8_kernel_equals_the_fp32_kernel_on_the_dequantized_cache(head_dim: int, tasks: str) -> None:
+    rows = {"few-rows": 3, "many-rows": 4 * torch.get_num_threads() + 2, "split": 1}[tasks]
+    longest = 601 if tasks == "split" else 37
+    case = int8_case(rows, 9, 3, head_dim, torch.float32, block=16, longest=longest)
+    out = paged_decode_attention(*case)
+    reference = paged_decode_attention(*dequantized(case, torch.float32))
+    torch.testing.assert_close(out, reference, atol=1e-6, rtol=1e-6)
+
+
 def test_kernel_is_an_op_a_compiled_graph_calls() -> None:
     case = paged_case(5, 9, 3, 64, torch.bfloat16)
     torch.library.opcheck(torch.ops.tformer.paged_decode_attention.default, case)
     compiled = torch.compile(lambda *args: paged_decode_attention(*args) * 2, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(*case), paged_decode_attention(*case) * 2, atol=0, rtol=0)
+
+
+def test_int8_kernel_is_an_op_a_compiled_graph_calls() -> None:
+    q, k, v, slots, lengths, k_scale, v_scale = int8_case(5, 9, 3, 64, torch.bfloat16)
+    schema_order = (q, k, v, k_scale, v_scale, slots, lengths)
+    torch.library.opcheck(torch.ops.tformer.paged_decode_attention_int8.default, schema_order)
+    compiled = torch.compile(lambda *args: paged_decode_attention(*args) * 2, fullgraph=True, dynamic=True)
+    case = (q, k, v, slots, lengths, k_scale, v_scale)
     torch.testing.assert_close(compiled(*case), paged_decode_attention(*case) * 2, atol=0, rtol=0)
 
 
@@ -192,3 +267,31 @@ def test_bad_inputs_are_refused_before_anything_is_read() -> None:
         paged_decode_attention(q, k.double(), v.double(), slots, lengths)
     with pytest.raises(ValueError, match="int64"):
         paged_decode_attention(q, k, v, slots.int(), lengths)
+
+
+def test_bad_int8_inputs_are_refused_before_anything_is_read() -> None:
+    q, k, v, slots, lengths, k_scale, v_scale = int8_case(3, 4, 2, 16, torch.float32)
+    outside = slots.clone()
+    outside[1, 0] = k.shape[0]
+    with pytest.raises(IndexError, match="outside the cache"):
+        paged_decode_attention(q, k, v, outside, lengths, k_scale, v_scale)
+    outside[1, 0] = -1
+    with pytest.raises(IndexError, match="outside the cache"):
+        paged_decode_attention(q, k, v, outside, lengths, k_scale, v_scale)
+    with pytest.raises(ValueError, match="int8 cache takes its k_scale and v_scale"):
+        paged_decode_attention(q, k, v, slots, lengths)
+    with pytest.raises(ValueError, match=r"both k_scale and v_scale.*k_scale \(\d+, 2\) torch.float32, v_scale None"):
+        paged_decode_attention(q, k, v, slots, lengths, k_scale)
+    # too few slots, (Hkv, slots), one scale a slot, not contiguous, float64, bfloat16
+    wrong_scales = [k_scale[:-1], k_scale.t().contiguous(), k_scale[:, 0], k_scale.t().contiguous().t()]
+    for wrong in [*wrong_scales, k_scale.double(), k_scale.bfloat16()]:
+        with pytest.raises(ValueError, match="k_scale and v_scale must be contiguous float32 \\(slots, Hkv\\)"):
+            paged_decode_attention(q, k, v, slots, lengths, k_scale, wrong)
+        with pytest.raises(ValueError, match="k_scale and v_scale must be contiguous float32 \\(slots, Hkv\\)"):
+            paged_decode_attention(q, k, v, slots, lengths, wrong, v_scale)
+    with pytest.raises(ValueError, match="k and v int8"):
+        paged_decode_attention(q, k.float(), v.float(), slots, lengths, k_scale, v_scale)
+    with pytest.raises(ValueError, match="q must be bfloat16 or float32"):
+        paged_decode_attention(q.double(), k, v, slots, lengths, k_scale, v_scale)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        paged_decode_attention(q[:, :3], k, v, slots, lengths, k_scale, v_scale)

@@ -33,6 +33,7 @@ def generate(
     draft_model: str | None = None,
     draft_quantize: str | None = None,
     speculative_tokens: int = 4,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     """Generate text from prompts given as arguments, or one per line from stdin, streaming as it goes.
 
@@ -48,13 +49,15 @@ def generate(
     draft_model: a small model on the same tokenizer for speculative decoding (or the model itself, quantized)
     draft_quantize: int8, int4 or w8a8 quantization of the draft model (default: none)
     speculative_tokens: draft tokens per decode step, with a draft model
+    kv_cache_dtype: auto (the model's dtype) or int8 (keys and values rounded to int8 with a scale each: 1.9x the
+      tokens in the same memory, at a measured perplexity cost; see docs/engine.md)
     """
     from tformer.inference import EngineConfig, SamplingParams
     from tformer.serve.loading import load_engine
 
     if compile:
         _keep_compiled_kernels()
-    config = EngineConfig(compile=compile, num_speculative_tokens=speculative_tokens)
+    config = EngineConfig(compile=compile, num_speculative_tokens=speculative_tokens, kv_cache_dtype=kv_cache_dtype)
     engine = load_engine(model, config, quantize, dtype, draft_model, draft_quantize)
     tokenizer = engine.tokenizer
     if tokenizer is None:
@@ -86,6 +89,7 @@ def serve(
     draft_model: str | None = None,
     draft_quantize: str | None = None,
     speculative_tokens: int = 4,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1, /metrics) and a web playground at / (chat, runs, ...).
 
@@ -112,6 +116,8 @@ def serve(
     draft_model: a small model on the same tokenizer for speculative decoding (or the model itself, quantized)
     draft_quantize: int8, int4 or w8a8 quantization of the draft model (default: none)
     speculative_tokens: draft tokens per decode step, with a draft model
+    kv_cache_dtype: auto (the model's dtype) or int8 (keys and values rounded to int8 with a scale each: 1.9x the
+      tokens in the same memory, at a measured perplexity cost; see docs/engine.md)
     """
     from tformer.inference import EngineConfig
     from tformer.serve import run_server
@@ -130,6 +136,7 @@ def serve(
         kv_cache_bytes=kv_cache_mb << 20,
         compile=compile,
         num_speculative_tokens=speculative_tokens,
+        kv_cache_dtype=kv_cache_dtype,
     )
     run_server(
         model,
@@ -188,6 +195,7 @@ def bench(
     batch: int = 8,
     prompt_tokens: int = 128,
     new_tokens: int = 32,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     """Measure prefill and decode speed (batch 1 and batch N) against memory bandwidth, and say what would help.
 
@@ -198,6 +206,8 @@ def bench(
     batch: requests decoded together for the batched figure
     prompt_tokens: prompt length (random tokens, so the prefix cache cannot help)
     new_tokens: tokens generated per request
+    kv_cache_dtype: auto (the model's dtype) or int8 (keys and values rounded to int8 with a scale each: 1.9x the
+      tokens in the same memory, at a measured perplexity cost; see docs/engine.md)
     """
     from tformer.inference import EngineConfig
     from tformer.inference.bench import bench_engine, format_bench, remedies
@@ -208,7 +218,7 @@ def bench(
             raise ConfigError(f"--{name.replace('_', '-')} must be at least {2 if name == 'new_tokens' else 1}")
     if compile:
         _keep_compiled_kernels()
-    config = EngineConfig(compile=compile, prefix_caching=False, max_seqs=max(batch, 1))
+    config = EngineConfig(compile=compile, prefix_caching=False, max_seqs=max(batch, 1), kv_cache_dtype=kv_cache_dtype)
     engine = load_engine(model, config, quantize, dtype)
     result = bench_engine(engine, prompt_tokens, new_tokens, batch)
     print(format_bench(model, result, remedies(engine, result)))

@@ -30,7 +30,7 @@ from tformer.config import ConfigError
 from tformer.inference.beams import BeamGroup
 from tformer.inference.blocks import BlockAllocator
 from tformer.inference.outputs import Completion, OutputProcessor, RequestOutput, accumulate
-from tformer.inference.paged import kv_bytes_per_token, paged_cache_for
+from tformer.inference.paged import KV_CACHE_DTYPES, kv_bytes_per_token, paged_cache_for
 from tformer.inference.requests import InputProcessor, Request
 from tformer.inference.runner import StepBatch, group_by_width, make_runner, step_inputs
 from tformer.inference.sampling import RequestError, SamplingParams, greedy_tokens, sample_token, sampling_probs
@@ -58,8 +58,13 @@ class EngineConfig:
     compile: bool = False  # decode steps through torch.compile (see runner.py)
     pack_prompts: bool = True  # a step's prompt chunks in one row, where the model allows it (see packing.py)
     num_speculative_tokens: int = 4  # draft tokens per decode step, when the engine has a draft model
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "int8": int8 keys and values with scales (paged.py)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         for name, least in (
             ("block_size", 1),
             ("num_blocks", 0),
@@ -91,8 +96,9 @@ class Engine:
         if draft is not None:
             check_draft(model, draft.eval(), self.max_model_len)
         models = [model] if draft is None else [model, draft]
-        num_blocks = self._num_blocks(sum(kv_bytes_per_token(m) for m in models))
-        self.kv, *draft_kv = [paged_cache_for(m, num_blocks, self.config.block_size) for m in models]
+        kv_dtype = self.config.kv_cache_dtype
+        num_blocks = self._num_blocks(sum(kv_bytes_per_token(m, kv_dtype) for m in models))
+        self.kv, *draft_kv = [paged_cache_for(m, num_blocks, self.config.block_size, kv_dtype) for m in models]
         self.allocator = BlockAllocator(num_blocks, self.config.block_size)
         self.drafter = Drafter(draft, draft_kv[0], self.config.compile) if draft is not None else None
         self.speculative = SpeculativeStats()

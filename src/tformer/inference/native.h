@@ -12,6 +12,7 @@
 #define TFORMER_UNROLLED _Pragma("GCC unroll 16")
 
 static inline float to_float(float x) { return x; }
+static inline float to_float(int8_t x) { return float(x); }  // an int8 cache's integer, before its scale
 static inline float to_float(uint16_t x) {  // bfloat16: the high half of a float
     uint32_t bits = uint32_t(x) << 16;
     float f;
@@ -93,6 +94,9 @@ static inline __m256 load8(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const int8_t* p) {  // 8 signed bytes (an int8 KV cache's), as floats
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 template <typename T>
 static inline void store8(T* p, __m256 v, int64_t count = 8) {
     alignas(32) float lanes[8];
@@ -130,6 +134,9 @@ static inline __m512 load16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const int8_t* p) {  // 16 signed bytes (an int8 KV cache's), as floats
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 static inline void store16(uint16_t* p, __m512 v) {  // 16 bfloat16s, rounded as `store` rounds one
     const __m512i bits = _mm512_castps_si512(v);

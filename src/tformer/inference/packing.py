@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tformer.inference.causal_attention import causal_attention
-from tformer.inference.paged import PagedKVCache, PagedLayerKV
+from tformer.inference.paged import LayerTensors, PagedKVCache, PagedLayerKV
 from tformer.layers.attention import sdpa_attention
 from tformer.layers.masks import build_mask
 
@@ -44,8 +44,8 @@ class PackedLayerKV(PagedLayerKV):
     keys (`attend_in_place`); `update`, which would hand one row's keys to a mask that cannot tell the sequences
     apart, refuses."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, write_slots: torch.Tensor, segments: list[Segment]) -> None:
-        super().__init__(k, v, write_slots, None, write_slots[None])
+    def __init__(self, layer: LayerTensors, write_slots: torch.Tensor, segments: list[Segment]) -> None:
+        super().__init__(layer, write_slots, None, write_slots[None])
         self.segments = segments
 
     @property
@@ -62,15 +62,15 @@ class PackedLayerKV(PagedLayerKV):
     ) -> torch.Tensor:
         """Writes k, v (1, Hkv, N, D), then returns each sequence's causal attention over its keys: (1, H, N, D)."""
         self.write(k, v)
-        dtype = self.k.dtype
+        dtype = self.layer.dtype
         outputs = []
         for segment in self.segments:
             columns = slice(segment.offset, segment.offset + segment.length)
             if segment.read_slots is None:  # the keys just computed, as the cache holds them
-                keys, values = k[:, :, columns].to(dtype), v[:, :, columns].to(dtype)
+                keys, values = self.layer.as_stored(k[:, :, columns], v[:, :, columns])
             else:
-                keys = self.k[segment.read_slots].transpose(0, 1)[None]  # (1, Hkv, start + length, D)
-                values = self.v[segment.read_slots].transpose(0, 1)[None]
+                # (1, Hkv, start + length, D) each
+                keys, values = (t.transpose(0, 1)[None] for t in self.layer.read(segment.read_slots))
             queries = q[:, :, columns].to(dtype)
             out = causal_attention(queries, keys, values)  # bf16 on the CPU; None elsewhere
             if out is None:
@@ -103,4 +103,4 @@ def packed_views(
         segments.append(Segment(offset, length, slots if start else None))
         offset += length
     slots = torch.cat(write_slots)
-    return [PackedLayerKV(k, v, slots, segments) for k, v in zip(kv.k, kv.v, strict=True)]
+    return [PackedLayerKV(layer, slots, segments) for layer in kv.layers]

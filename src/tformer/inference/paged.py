@@ -1,13 +1,22 @@
 """The paged KV cache's tensors (vLLM's PagedAttention): every layer's keys and values in fixed-size blocks.
 
-- `PagedKVCache` owns the tensors: per layer, keys and values of shape (num_blocks * block_size, Hkv, D).
-  A sequence's block table (`blocks.BlockAllocator`) maps its position p to slot
+- `PagedKVCache` owns the tensors: per layer, keys and values of shape (num_blocks * block_size, Hkv, D) in a
+  `LayerTensors`. A sequence's block table (`blocks.BlockAllocator`) maps its position p to slot
   table[p // block_size] * block_size + p % block_size.
 - `PagedLayerKV` is what one attention layer sees during one engine step: it writes the new keys and values
   through the slot mapping and reads every sequence's keys back through its block table, or attends in place.
+
+With `kv_cache_dtype="int8"` (llama.cpp's q8_0 cache type, vLLM's `--kv-cache-dtype`) each slot's key and value
+of each KV head are stored as 64-ish int8 numbers and one float32 scale, their largest magnitude over 127: a
+SmolLM2 token's keys and values take 408 bytes a layer instead of 768 in bf16, so the same pool holds 1.9x the
+tokens, and a decode step reads about half the bytes. Every attention then sees the rounded keys and values (the
+ones just computed too, so that a prompt's tokens attend as they will be read back); see docs/engine.md for the
+perplexity this costs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -16,9 +25,76 @@ from tformer.inference.paged_attention import paged_decode_attention, supports
 from tformer.layers.kv_cache import zeroed
 from tformer.models import TransformerModel
 
+KV_CACHE_DTYPES = ("auto", "int8")  # "auto": the model's own dtype (its embedding's)
+INT8_LEVELS = 127  # a key's or value's int8 numbers are round(x / scale), scale = largest |x| / 127
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) as int8 numbers (..., D) and a float32 scale per vector (...): x ~ numbers * scale[..., None]."""
+    x = x.float()
+    scale = x.abs().amax(-1) / INT8_LEVELS
+    divisor = scale.clamp(min=torch.finfo(torch.float32).tiny)  # an all-zero vector: zeros, not 0 / 0
+    numbers = torch.round(x / divisor[..., None]).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    return numbers, scale
+
+
+def dequantize_int8(numbers: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The vectors `quantize_int8` stored, in `dtype`."""
+    return (numbers.float() * scale[..., None]).to(dtype)
+
+
+@dataclass
+class LayerTensors:
+    """One layer's keys and values in the pool, (slots, Hkv, D); in an int8 cache beside them one float32 scale per
+    (slot, KV head) each (`k_scale`, `v_scale`). `dtype` is the attention's: what reading the cache gives."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    dtype: torch.dtype
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores k, v (N, Hkv, D) at `slots` (N,)."""
+        if not self.quantized:
+            self.k.index_copy_(0, slots, k.to(self.k.dtype))
+            self.v.index_copy_(0, slots, v.to(self.v.dtype))
+            return
+        for (numbers, scale), into, into_scale in zip(
+            (quantize_int8(k), quantize_int8(v)), (self.k, self.v), (self.k_scale, self.v_scale), strict=True
+        ):
+            into.index_copy_(0, slots, numbers)
+            into_scale.index_copy_(0, slots, scale)
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values stored at `slots` (any shape): (*slots.shape, Hkv, D) each, in `dtype`."""
+        if not self.quantized:
+            return self.k[slots], self.v[slots]
+        keys = dequantize_int8(self.k[slots], self.k_scale[slots], self.dtype)
+        return keys, dequantize_int8(self.v[slots], self.v_scale[slots], self.dtype)
+
+    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v as reading them back after `write` gives them (rounded to int8 and back in an int8 cache)."""
+        if not self.quantized:
+            return k.to(self.dtype), v.to(self.dtype)
+        return dequantize_int8(*quantize_int8(k), self.dtype), dequantize_int8(*quantize_int8(v), self.dtype)
+
+    def copy_slots(self, dst: slice, src: slice) -> None:
+        for tensor in self.tensors:
+            tensor[dst] = tensor[src]
+
 
 class PagedKVCache:
-    """The KV tensors of every layer, in blocks: (num_blocks * block_size, Hkv, D) for keys and for values."""
+    """The KV tensors of every layer, in blocks: (num_blocks * block_size, Hkv, D) for keys and for values, in
+    `dtype`, or with `kv_cache_dtype="int8"` as int8 numbers and scales that read back as `dtype`."""
 
     def __init__(
         self,
@@ -30,23 +106,37 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         window: int | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         shape = (num_blocks * block_size, n_kv_heads, head_dim)
         self.block_size = block_size
         self.window = window  # a sliding window: each row reads only the keys its queries can see
-        self.k = [zeroed(shape, dtype, device) for _ in range(n_layers)]
-        self.v = [zeroed(shape, dtype, device) for _ in range(n_layers)]
+        self.dtype = dtype
+        store = torch.int8 if kv_cache_dtype == "int8" else dtype
+
+        def layer() -> LayerTensors:
+            keys, values = zeroed(shape, store, device), zeroed(shape, store, device)
+            if kv_cache_dtype != "int8":
+                return LayerTensors(keys, values, dtype)
+            return LayerTensors(
+                keys, values, dtype, zeroed(shape[:2], torch.float32, device), zeroed(shape[:2], torch.float32, device)
+            )
+
+        self.layers = [layer() for _ in range(n_layers)]
+        self.k = [layer.k for layer in self.layers]
+        self.v = [layer.v for layer in self.layers]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors)
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         bs = self.block_size
         for copy in copies:
-            for layer_k, layer_v in zip(self.k, self.v, strict=True):
-                layer_k[copy.dst * bs : (copy.dst + 1) * bs] = layer_k[copy.src * bs : (copy.src + 1) * bs]
-                layer_v[copy.dst * bs : (copy.dst + 1) * bs] = layer_v[copy.src * bs : (copy.src + 1) * bs]
+            for layer in self.layers:
+                layer.copy_slots(slice(copy.dst * bs, (copy.dst + 1) * bs), slice(copy.src * bs, (copy.src + 1) * bs))
 
     @staticmethod
     def block_table(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -89,13 +179,13 @@ class PagedKVCache:
             else:
                 write_slots = write_slots[keep]
         key_lengths = None  # a decode step: each row reads keys 0..position in place (paged_decode_attention)
-        if decode and key_starts is None and supports(self.k[0].dtype, positions.device):
+        if decode and key_starts is None and supports(self.dtype, positions.device):
             key_lengths = positions[:, 0] + 1
         # Whole prompts (every row from position 0, no window): a row's keys are exactly its new tokens'.
         whole_prompts = not decode and key_starts is None and not bool(positions[:, 0].any())
         return [
-            PagedLayerKV(k, v, write_slots, keep, read_slots, key_starts, key_lengths, whole_prompts)
-            for k, v in zip(self.k, self.v, strict=True)
+            PagedLayerKV(layer, write_slots, keep, read_slots, key_starts, key_lengths, whole_prompts)
+            for layer in self.layers
         ]
 
 
@@ -104,8 +194,7 @@ class PagedLayerKV:
 
     def __init__(
         self,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        layer: LayerTensors,
         write_slots: torch.Tensor,
         keep: torch.Tensor | None,
         read_slots: torch.Tensor,
@@ -113,7 +202,7 @@ class PagedLayerKV:
         key_lengths: torch.Tensor | None = None,
         whole_prompts: bool = False,
     ) -> None:
-        self.k, self.v = k, v
+        self.layer = layer
         self.write_slots, self.keep, self.read_slots = write_slots, keep, read_slots
         self.key_starts = key_starts  # (B, 1) each row's first key position under a sliding window, else None
         self.key_lengths = key_lengths  # (B,) keys each row reads in a decode step, when it attends in place
@@ -136,8 +225,7 @@ class PagedLayerKV:
         new_v = v.transpose(1, 2).reshape(B * T, H, D)
         if self.keep is not None:  # drop the padding
             new_k, new_v = new_k[self.keep], new_v[self.keep]
-        self.k.index_copy_(0, self.write_slots, new_k.to(self.k.dtype))
-        self.v.index_copy_(0, self.write_slots, new_v.to(self.v.dtype))
+        self.layer.write(self.write_slots, new_k, new_v)
 
     def attend_in_place(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -146,27 +234,32 @@ class PagedLayerKV:
         read where they lie (`paged_decode_attention`): (B, H, 1, D)."""
         assert self.key_lengths is not None, "attend_in_place serves decode steps only (see attends_in_place)"
         self.write(k, v)
-        return paged_decode_attention(q.to(self.k.dtype), self.k, self.v, self.read_slots, self.key_lengths)
+        layer = self.layer
+        scales = (layer.k_scale, layer.v_scale) if layer.quantized else ()
+        return paged_decode_attention(q.to(layer.dtype), layer.k, layer.v, self.read_slots, self.key_lengths, *scales)
 
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes k, v (B, Hkv, T, D) of the real tokens, returns every row's keys and values (B, Hkv, Tk, D)."""
         self.write(k, v)
         if self.whole_prompts:  # the keys just written, as the cache holds them (a padding column is never seen)
-            return k.to(self.k.dtype), v.to(self.v.dtype)
-        keys = self.k[self.read_slots]  # (B, Tk, Hkv, D)
-        values = self.v[self.read_slots]
+            return self.layer.as_stored(k, v)
+        keys, values = self.layer.read(self.read_slots)  # (B, Tk, Hkv, D)
         return keys.transpose(1, 2), values.transpose(1, 2)
 
 
-def kv_bytes_per_token(model: TransformerModel) -> int:
-    """Bytes of keys and values one token takes in the decoder's cache, every layer."""
+def kv_bytes_per_token(model: TransformerModel, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of keys and values one token takes in the decoder's cache, every layer (with int8, their scales too)."""
     mc = model.config
     element = model.decoder.tokens.weight.element_size()  # the embedding stays in floating point when quantized
-    return mc.n_kv_heads * mc.head_dim * 2 * mc.n_decoder_layers * element
+    per_head = mc.head_dim + 4 if kv_cache_dtype == "int8" else mc.head_dim * element  # int8 numbers and a scale
+    return mc.n_kv_heads * per_head * 2 * mc.n_decoder_layers
 
 
-def paged_cache_for(model: TransformerModel, num_blocks: int, block_size: int) -> PagedKVCache:
-    """A pool of `num_blocks` blocks shaped for the model's decoder, in its embedding's dtype and device."""
+def paged_cache_for(
+    model: TransformerModel, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto"
+) -> PagedKVCache:
+    """A pool of `num_blocks` blocks shaped for the model's decoder, in its embedding's dtype and device (int8
+    numbers that read back in that dtype with `kv_cache_dtype="int8"`)."""
     mc, weight = model.config, model.decoder.tokens.weight
     return PagedKVCache(
         mc.n_decoder_layers,
@@ -177,4 +270,5 @@ def paged_cache_for(model: TransformerModel, num_blocks: int, block_size: int) -
         weight.dtype,
         weight.device,
         window=mc.sliding_window,
+        kv_cache_dtype=kv_cache_dtype,
     )

@@ -1,12 +1,14 @@
 // Decode attention over a paged KV cache, reading each row's keys and values where they lie: see paged_attention.py.
-// Built by tformer.inference.native.load with the machine's C++ compiler (-O3 -march=native -fopenmp), against
-// torch's stable C ABI, which registers the op at the end.
+// The cache holds q's dtype (T), or int8 (C = int8_t) with a float32 scale per (slot, KV head), dequantized where the
+// keys and values become floats anyway. Built by tformer.inference.native.load with the machine's C++ compiler
+// (-O3 -march=native -fopenmp), against torch's stable C ABI, which registers the ops at the end.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -17,6 +19,10 @@
 using torch::stable::Tensor;
 
 #include "lanes.h"
+
+// Whether a cache of C holds int8 integers that a scale per (slot, KV head) turns into its values
+template <typename C>
+constexpr bool QUANTIZED = std::is_same_v<C, int8_t>;
 
 #ifdef TFORMER_VECTOR_ATTENTION
 
@@ -29,18 +35,30 @@ constexpr int64_t PREFETCH_AHEAD = 32;
 
 // KV heads g0 .. g0 + heads - 1 of the cache's rows 0 .. m-1 (of n), copied as floats into `tile` (heads x m x D):
 // each slot's heads are read together (side by side in the cache), and every query head sharing a KV head then
-// reads one contiguous, converted copy that stays in the L1 cache.
-template <typename T>
-static void gather_tile(const T* cache, const int64_t* row_slots, int64_t m, int64_t n, int64_t Hkv, int64_t g0,
-                        int64_t heads, int64_t D, float* tile) {
-    const int64_t row_bytes = heads * D * int64_t(sizeof(T));
+// reads one contiguous, converted copy that stays in the L1 cache. An int8 cache's heads are multiplied by their
+// `scales` on the way, so that all that follows is the same for every cache.
+template <typename C>
+static void gather_tile(const C* cache, const float* scales, const int64_t* row_slots, int64_t m, int64_t n,
+                        int64_t Hkv, int64_t g0, int64_t heads, int64_t D, float* tile) {
+    const int64_t row_bytes = heads * D * int64_t(sizeof(C));
     for (int64_t t = 0; t < m; ++t) {
-        const T* row = cache + (row_slots[t] * Hkv + g0) * D;
-        // the cache is larger than the CPU's caches: ask for rows in time
-        if (t + PREFETCH_AHEAD < n) prefetch(cache + (row_slots[t + PREFETCH_AHEAD] * Hkv + g0) * D, row_bytes);
+        const int64_t at = row_slots[t] * Hkv + g0;  // the slot's first head
+        const C* row = cache + at * D;
+        // the cache is larger than the CPU's caches: ask for rows (and an int8 cache's scales) in time
+        if (t + PREFETCH_AHEAD < n) {
+            const int64_t ahead = row_slots[t + PREFETCH_AHEAD] * Hkv + g0;
+            prefetch(cache + ahead * D, row_bytes);
+            if constexpr (QUANTIZED<C>) prefetch(scales + ahead, heads * int64_t(sizeof(float)));
+        }
         for (int64_t h = 0; h < heads; ++h) {
             float* into = tile + (h * m + t) * D;
-            for (int64_t c = 0; c < D; c += WIDTH) Lanes::store(into + c, Lanes::load(row + h * D + c));
+            if constexpr (QUANTIZED<C>) {
+                const V scale = Lanes::set1(scales[at + h]);
+                for (int64_t c = 0; c < D; c += WIDTH)
+                    Lanes::store(into + c, Lanes::mul(Lanes::load(row + h * D + c), scale));
+            } else {
+                for (int64_t c = 0; c < D; c += WIDTH) Lanes::store(into + c, Lanes::load(row + h * D + c));
+            }
         }
     }
 }
@@ -71,16 +89,17 @@ static void softmax_in_place(float* scores, int64_t n, float* top_total) {
 // and D == CHUNKS * WIDTH when CHUNKS is not 0 (the common head sizes, whose loops the compiler then unrolls so that
 // a query head's D floats and its value sums stay in registers). `scratch` holds attend_scratch_floats floats.
 // With `part`, each query head's sums before the softmax's division go there instead, then its top score and the
-// sum of its keys' weights (D + 2 floats a query head), for `merge_parts`.
-template <int64_t CHUNKS, typename T>
-static void attend_one(const T* q, const T* k, const T* v, const int64_t* row_slots, int64_t n, int64_t Hkv,
-                       int64_t g0, int64_t heads, int64_t rep, int64_t D, float scale, float* scratch, T* out,
-                       float* part) {
+// sum of its keys' weights (D + 2 floats a query head), for `merge_parts`. k_scale and v_scale: an int8 cache's
+// (gather_tile), else unused.
+template <int64_t CHUNKS, typename T, typename C>
+static void attend_one(const T* q, const C* k, const C* v, const float* k_scale, const float* v_scale,
+                       const int64_t* row_slots, int64_t n, int64_t Hkv, int64_t g0, int64_t heads, int64_t rep,
+                       int64_t D, float scale, float* scratch, T* out, float* part) {
     const int64_t chunks = CHUNKS ? CHUNKS : D / WIDTH, queries = heads * rep;
     float *scores = scratch, *sums = scores + queries * n, *tile = sums + queries * D;
     for (int64_t t0 = 0; t0 < n; t0 += TILE_KEYS) {
         const int64_t m = std::min(TILE_KEYS, n - t0), grouped = m - m % KEYS_AT_ONCE;
-        gather_tile(k, row_slots + t0, m, n - t0, Hkv, g0, heads, D, tile);
+        gather_tile(k, k_scale, row_slots + t0, m, n - t0, Hkv, g0, heads, D, tile);
         for (int64_t r = 0; r < queries; ++r) {
             const float* rows = tile + (r / rep) * m * D;
             float* sr = scores + r * n + t0;
@@ -109,7 +128,7 @@ static void attend_one(const T* q, const T* k, const T* v, const int64_t* row_sl
     std::fill(sums, sums + queries * D, 0.f);
     for (int64_t t0 = 0; t0 < n; t0 += TILE_KEYS) {
         const int64_t m = std::min(TILE_KEYS, n - t0);
-        gather_tile(v, row_slots + t0, m, n - t0, Hkv, g0, heads, D, tile);
+        gather_tile(v, v_scale, row_slots + t0, m, n - t0, Hkv, g0, heads, D, tile);
         for (int64_t r = 0; r < queries; ++r) {
             const float *rows = tile + (r / rep) * m * D, *sr = scores + r * n + t0;
             V acc[MAX_CHUNKS];
@@ -165,19 +184,22 @@ static void merge_parts(float* first, int64_t parts, int64_t stride, int64_t D, 
 }
 
 // One (row, KV head) without vector instructions, or for head sizes that are not a multiple of WIDTH. `scratch`
-// holds rep x D scaled queries, rep x D value sums and rep x n scores.
-template <typename T>
-static void attend_one_portable(const T* q, const T* k, const T* v, const int64_t* row_slots, int64_t n, int64_t Hkv,
-                                int64_t g, int64_t rep, int64_t D, float scale, float* scratch, T* out) {
+// holds rep x D scaled queries, rep x D value sums and rep x n scores. An int8 cache's key scale multiplies the
+// key's score, and its value scale the value's weight: once a key rather than once an element.
+template <typename T, typename C>
+static void attend_one_portable(const T* q, const C* k, const C* v, const float* k_scale, const float* v_scale,
+                                const int64_t* row_slots, int64_t n, int64_t Hkv, int64_t g, int64_t rep, int64_t D,
+                                float scale, float* scratch, T* out) {
     float *query = scratch, *acc = scratch + rep * D, *scores = scratch + 2 * rep * D;
     for (int64_t i = 0; i < rep * D; ++i) query[i] = to_float(q[i]) * scale;
     for (int64_t t = 0; t < n; ++t) {
-        const T* key = k + (row_slots[t] * Hkv + g) * D;
+        const C* key = k + (row_slots[t] * Hkv + g) * D;
         for (int64_t r = 0; r < rep; ++r) {
             const float* qr = query + r * D;
             float s = 0.f;
             #pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < D; ++d) s += qr[d] * to_float(key[d]);
+            if constexpr (QUANTIZED<C>) s *= k_scale[row_slots[t] * Hkv + g];
             scores[r * n + t] = s;
         }
     }
@@ -195,9 +217,10 @@ static void attend_one_portable(const T* q, const T* k, const T* v, const int64_
     }
     std::fill(acc, acc + rep * D, 0.f);
     for (int64_t t = 0; t < n; ++t) {
-        const T* value = v + (row_slots[t] * Hkv + g) * D;
+        const C* value = v + (row_slots[t] * Hkv + g) * D;
         for (int64_t r = 0; r < rep; ++r) {
-            const float w = scores[r * n + t];
+            float w = scores[r * n + t];
+            if constexpr (QUANTIZED<C>) w *= v_scale[row_slots[t] * Hkv + g];
             float* ar = acc + r * D;
             #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ar[d] += w * to_float(value[d]);
@@ -207,11 +230,12 @@ static void attend_one_portable(const T* q, const T* k, const T* v, const int64_
 }
 
 // q (B, H, D), k and v (num_slots, Hkv, D), slots (B, max_keys): row b reads keys slots[b, 0 .. lengths[b] - 1].
-// Returns 0, -1 (computing nothing) when a slot it would read lies outside the cache, or -2 without scratch memory.
-template <typename T>
-static int attend(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lengths, int64_t B,
-                  int64_t H, int64_t Hkv, int64_t D, int64_t max_keys, int64_t num_slots, float scale, int threads,
-                  T* out) {
+// k_scale and v_scale (num_slots, Hkv): an int8 cache's, else unused. Returns 0, -1 (computing nothing) when a slot
+// it would read lies outside the cache, or -2 without scratch memory.
+template <typename T, typename C>
+static int attend(const T* q, const C* k, const C* v, const float* k_scale, const float* v_scale, const int64_t* slots,
+                  const int64_t* lengths, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t max_keys,
+                  int64_t num_slots, float scale, int threads, T* out) {
     for (int64_t b = 0; b < B; ++b) {
         const int64_t n = lengths[b] < max_keys ? lengths[b] : max_keys;
         for (int64_t t = 0; t < n; ++t) {
@@ -255,13 +279,14 @@ static int attend(const T* q, const T* k, const T* v, const int64_t* slots, cons
 #ifdef TFORMER_VECTOR_ATTENTION
                     if (vectorized) {
                         float* part = parts > 1 ? results.data() + (p * B * H + first) * (D + 2) : nullptr;
-                        attend_vectorized(D / WIDTH, q + first * D, k, v, row_slots, std::min(share, n - start), Hkv,
-                                          g, heads, rep, D, scale, scratch, out + first * D, part);
+                        attend_vectorized(D / WIDTH, q + first * D, k, v, k_scale, v_scale, row_slots,
+                                          std::min(share, n - start), Hkv, g, heads, rep, D, scale, scratch,
+                                          out + first * D, part);
                         continue;
                     }
 #endif
-                    attend_one_portable(q + first * D, k, v, row_slots, n, Hkv, g, rep, D, scale, scratch,
-                                        out + first * D);
+                    attend_one_portable(q + first * D, k, v, k_scale, v_scale, row_slots, n, Hkv, g, rep, D, scale,
+                                        scratch, out + first * D);
                 }
             }
         }
@@ -272,27 +297,38 @@ static int attend(const T* q, const T* k, const T* v, const int64_t* slots, cons
     return failed ? -2 : 0;
 }
 
-// tformer::paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths) -> Tensor, defined in
-// paged_attention.py. The checks repeat the ones the kernel relies on (metadata only: no tensor is read before).
-static Tensor paged_decode_attention_op(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths) {
+// tformer::paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths) -> Tensor and
+// tformer::paged_decode_attention_int8(Tensor q, Tensor k, Tensor v, Tensor k_scale, Tensor v_scale, Tensor slots,
+// Tensor lengths) -> Tensor, defined in paged_attention.py: `op` names the op, whose scales (an int8 cache's) are
+// given or nullptr. The checks repeat the ones the kernel relies on (metadata only: no tensor is read before).
+static Tensor attend_op(const std::string& op, Tensor q, Tensor k, Tensor v, const Tensor* k_scale,
+                        const Tensor* v_scale, Tensor slots, Tensor lengths) {
     using torch::headeronly::ScalarType;
-    if (q.dim() != 4 || q.size(2) != 1)
-        throw std::invalid_argument("paged_decode_attention takes one query per row, q (B, H, 1, D)");
+    if (q.dim() != 4 || q.size(2) != 1) throw std::invalid_argument(op + " takes one query per row, q (B, H, 1, D)");
     const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
     if (k.dim() != 3 || v.dim() != 3 || k.size(0) != v.size(0) || k.size(1) != v.size(1) || k.size(2) != v.size(2) ||
         k.size(2) != D || k.size(1) == 0 || H % k.size(1))
-        throw std::invalid_argument("paged_decode_attention: k and v must be the cache's (slots, Hkv, D) tensors "
-                                    "with H a multiple of Hkv");
+        throw std::invalid_argument(op + ": k and v must be the cache's (slots, Hkv, D) tensors with H a multiple of "
+                                         "Hkv");
     if (!k.is_contiguous() || !v.is_contiguous())
-        throw std::invalid_argument("paged_decode_attention: k and v must be contiguous (the paged cache's own "
-                                    "tensors)");
-    const ScalarType dtype = q.scalar_type();
-    if ((dtype != ScalarType::BFloat16 && dtype != ScalarType::Float) || k.scalar_type() != dtype ||
-        v.scalar_type() != dtype)
-        throw std::invalid_argument("paged_decode_attention: q, k and v must share one dtype of bfloat16 and float32");
+        throw std::invalid_argument(op + ": k and v must be contiguous (the paged cache's own tensors)");
+    const ScalarType dtype = q.scalar_type(), cache = k_scale ? ScalarType::Char : dtype;
+    const bool bf16 = dtype == ScalarType::BFloat16;
+    if ((!bf16 && dtype != ScalarType::Float) || k.scalar_type() != cache || v.scalar_type() != cache) {
+        if (k_scale) throw std::invalid_argument(op + ": q must be bfloat16 or float32, and k and v int8");
+        const bool int8 = k.scalar_type() == ScalarType::Char;  // the scales forgotten?
+        throw std::invalid_argument(op + ": q, k and v must share one dtype of bfloat16 and float32" +
+                                    (int8 ? " (an int8 cache takes its k_scale and v_scale)" : ""));
+    }
+    for (const Tensor* scales : {k_scale, v_scale}) {
+        if (scales && (scales->scalar_type() != ScalarType::Float || scales->dim() != 2 ||
+                       scales->size(0) != k.size(0) || scales->size(1) != k.size(1) || !scales->is_contiguous()))
+            throw std::invalid_argument(op + ": k_scale and v_scale must be contiguous float32 (slots, Hkv) tensors, "
+                                             "one scale for each head of the cache");
+    }
     if (slots.scalar_type() != ScalarType::Long || lengths.scalar_type() != ScalarType::Long || slots.dim() != 2 ||
         slots.size(0) != B || lengths.dim() != 1 || lengths.size(0) != B)
-        throw std::invalid_argument("paged_decode_attention: slots must be int64 (B, max_keys) and lengths int64 (B,)");
+        throw std::invalid_argument(op + ": slots must be int64 (B, max_keys) and lengths int64 (B,)");
     if (!q.is_contiguous()) q = torch::stable::contiguous(q);
     if (!slots.is_contiguous()) slots = torch::stable::contiguous(slots);
     if (!lengths.is_contiguous()) lengths = torch::stable::contiguous(lengths);
@@ -302,21 +338,34 @@ static Tensor paged_decode_attention_op(Tensor q, Tensor k, Tensor v, Tensor slo
     const int threads = int(torch::stable::get_num_threads());
     const auto* slot_ids = static_cast<const int64_t*>(slots.data_ptr());
     const auto* counts = static_cast<const int64_t*>(lengths.data_ptr());
-    const int status =
-        dtype == ScalarType::BFloat16
-            ? attend(static_cast<const uint16_t*>(q.data_ptr()), static_cast<const uint16_t*>(k.data_ptr()),
-                     static_cast<const uint16_t*>(v.data_ptr()), slot_ids, counts, B, H, Hkv, D, max_keys, num_slots,
-                     scale, threads, static_cast<uint16_t*>(out.data_ptr()))
-            : attend(static_cast<const float*>(q.data_ptr()), static_cast<const float*>(k.data_ptr()),
-                     static_cast<const float*>(v.data_ptr()), slot_ids, counts, B, H, Hkv, D, max_keys, num_slots,
-                     scale, threads, static_cast<float*>(out.data_ptr()));
-    if (status == -2) throw std::runtime_error("paged_decode_attention: out of memory for its scratch buffers");
+    const auto* k_scales = k_scale ? static_cast<const float*>(k_scale->data_ptr()) : nullptr;
+    const auto* v_scales = v_scale ? static_cast<const float*>(v_scale->data_ptr()) : nullptr;
+    const auto attend_as = [&](auto q_type, auto cache_type) {  // q and out of T, a cache of C
+        using T = decltype(q_type);
+        using C = decltype(cache_type);
+        return attend(static_cast<const T*>(q.data_ptr()), static_cast<const C*>(k.data_ptr()),
+                      static_cast<const C*>(v.data_ptr()), k_scales, v_scales, slot_ids, counts, B, H, Hkv, D,
+                      max_keys, num_slots, scale, threads, static_cast<T*>(out.data_ptr()));
+    };
+    const int status = k_scale ? (bf16 ? attend_as(uint16_t(), int8_t()) : attend_as(float(), int8_t()))
+                               : (bf16 ? attend_as(uint16_t(), uint16_t()) : attend_as(float(), float()));
+    if (status == -2) throw std::runtime_error(op + ": out of memory for its scratch buffers");
     if (status)
-        throw std::out_of_range("paged_decode_attention: a slot to read lies outside the cache's " +
-                                std::to_string(num_slots) + " slots");
+        throw std::out_of_range(op + ": a slot to read lies outside the cache's " + std::to_string(num_slots) +
+                                " slots");
     return out;
+}
+
+static Tensor paged_decode_attention_op(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths) {
+    return attend_op("paged_decode_attention", q, k, v, nullptr, nullptr, slots, lengths);
+}
+
+static Tensor paged_decode_attention_int8_op(Tensor q, Tensor k, Tensor v, Tensor k_scale, Tensor v_scale,
+                                             Tensor slots, Tensor lengths) {
+    return attend_op("paged_decode_attention_int8", q, k, v, &k_scale, &v_scale, slots, lengths);
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tformer, CPU, m) {
     m.impl("paged_decode_attention", TORCH_BOX(&paged_decode_attention_op));
+    m.impl("paged_decode_attention_int8", TORCH_BOX(&paged_decode_attention_int8_op));
 }

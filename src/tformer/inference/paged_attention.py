@@ -19,6 +19,12 @@ and KV heads with torch's own OpenMP runtime. It registers a torch op through to
 decode step calls it like any kernel; a call at batch 1 costs 15-17 us, against 26 us through the Python
 implementation over ctypes it had before (2-core Xeon, 2026-12-02). Without a working compiler `kernel()` is None
 and the engine keeps the gather path.
+
+`paged_decode_attention_int8` is the same kernel for a cache of int8 keys and values with one float32 scale per
+(slot, KV head), the value being the integer times its scale (like llama.cpp's q8_0 cache type): half the bytes of a
+bf16 cache to read. The scales multiply the integers where the tile converts them to fp32 (the portable loop: the
+key's score and the value's weight), so everything after is the same code; `paged_decode_attention` calls it when
+given the scales.
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
 
 _LIBRARY = torch.library.Library("tformer", "FRAGMENT")
 _LIBRARY.define("paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths) -> Tensor")
+_LIBRARY.define(
+    "paged_decode_attention_int8(Tensor q, Tensor k, Tensor v, Tensor k_scale, Tensor v_scale, Tensor slots, "
+    "Tensor lengths) -> Tensor"
+)
 
 
 @torch.library.register_fake("tformer::paged_decode_attention")
@@ -52,23 +62,51 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, le
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("tformer::paged_decode_attention_int8")
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 def paged_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q K^T / sqrt(D)) V for one query per row, reading keys and values in place.
 
-    q (B, H, 1, D); k and v the cache's (slots, Hkv, D) tensors, of q's dtype (bfloat16 or float32); `slots`
-    (B, max_keys) int64, row b's keys at slots[b, :lengths[b]] in position order; `lengths` (B,) int64, at least 1.
-    Returns (B, H, 1, D). Query heads h * H/Hkv .. (h + 1) * H/Hkv - 1 read KV head h. Raises ValueError for
-    shapes or dtypes the kernel cannot take, and IndexError for a slot outside the cache, before reading anything.
+    q (B, H, 1, D); k and v the cache's (slots, Hkv, D) tensors, of q's dtype (bfloat16 or float32), or int8 with
+    `k_scale` and `v_scale` given, float32 (slots, Hkv), a key's value being k[slot, head] * k_scale[slot, head];
+    `slots` (B, max_keys) int64, row b's keys at slots[b, :lengths[b]] in position order; `lengths` (B,) int64, at
+    least 1. Returns (B, H, 1, D) of q's dtype. Query heads h * H/Hkv .. (h + 1) * H/Hkv - 1 read KV head h. Raises
+    ValueError for shapes or dtypes the kernel cannot take, and IndexError for a slot outside the cache, before
+    reading anything.
     """
-    args = (q, k, v, slots, lengths)
+    names, args = ["q", "k", "v", "slots", "lengths"], [q, k, v, slots, lengths]
+    if k_scale is not None or v_scale is not None:
+        names[3:3], args[3:3] = ["k_scale", "v_scale"], [k_scale, v_scale]
     if not available():
         raise RuntimeError("paged_decode_attention: the kernel could not be built here (see the log)")
     try:
-        return torch.ops.tformer.paged_decode_attention(q, k, v, slots, lengths)
+        if k_scale is None and v_scale is None:
+            return torch.ops.tformer.paged_decode_attention(*args)
+        if k_scale is None or v_scale is None:
+            raise ValueError("paged_decode_attention: an int8 cache takes both k_scale and v_scale")
+        return torch.ops.tformer.paged_decode_attention_int8(*args)
     except ValueError as err:
         given = ", ".join(
-            f"{n} {tuple(t.shape)} {t.dtype}" for n, t in zip("q k v slots lengths".split(), args, strict=True)
+            f"{n} {tuple(t.shape)} {t.dtype}" if t is not None else f"{n} None"
+            for n, t in zip(names, args, strict=True)
         )
         raise ValueError(f"{err}; got {given}") from None
