@@ -47,3 +47,8 @@ def test_bench_reports_every_phase_and_the_remedies_that_apply() -> None:
         EngineConfig(prefix_caching=False, kv_cache_bytes=8 << 20),
     )
     assert any(line == "quantization: on" for line in remedies(quantized, result))
+    assert any(
+        "--kv-cache-dtype int8 keeps keys and values in about half" in line for line in remedies(quantized, result)
+    )
+    int8_kv = Engine(model, None, EngineConfig(prefix_caching=False, kv_cache_bytes=8 << 20, kv_cache_dtype="int8"))
+    assert any(line.endswith(", int8 keys and values") for line in remedies(int8_kv, result))

@@ -113,6 +113,14 @@ def bench_engine(engine: Engine, prompt_tokens: int = 128, new_tokens: int = 32,
     )
 
 
+def _kv_cache_advice(kv_cache_dtype: str, dtype: torch.dtype) -> str:
+    line = "KV cache: always on (a paged cache; each decode step computes only the new token)"
+    if kv_cache_dtype == "int8":
+        return line + ", int8 keys and values"
+    share = "a quarter" if dtype.itemsize == 4 else "half"
+    return line + f"; --kv-cache-dtype int8 keeps keys and values in about {share} of the bytes (long contexts)"
+
+
 def remedies(engine: Engine, result: BenchResult) -> list[str]:
     """The ways to faster inference, each saying whether this engine already uses it or what it would gain."""
     model = engine.model
@@ -120,7 +128,7 @@ def remedies(engine: Engine, result: BenchResult) -> list[str]:
     dtype = next(model.parameters()).dtype
     gain = result.batch_decode_tokens_per_s / result.decode_tokens_per_s
     return [
-        "KV cache: always on (a paged cache; each decode step computes only the new token)",
+        _kv_cache_advice(engine.config.kv_cache_dtype, engine.kv.dtype),
         f"attention kernel: {model.config.attention_backend}"
         + (
             " (fused, no score matrix)"

@@ -62,17 +62,23 @@ class LayerTensors:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
 
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stores k, v (N, Hkv, D) at `slots` (N,)."""
+    def write(
+        self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, read_back: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Stores k, v (N, Hkv, D) at `slots` (N,); with `read_back`, returns them as reading them back gives them."""
         if not self.quantized:
-            self.k.index_copy_(0, slots, k.to(self.k.dtype))
-            self.v.index_copy_(0, slots, v.to(self.v.dtype))
-            return
-        for (numbers, scale), into, into_scale in zip(
-            (quantize_int8(k), quantize_int8(v)), (self.k, self.v), (self.k_scale, self.v_scale), strict=True
-        ):
+            k, v = k.to(self.dtype), v.to(self.dtype)
+            self.k.index_copy_(0, slots, k)
+            self.v.index_copy_(0, slots, v)
+            return (k, v) if read_back else None
+        stored = []
+        for x, into, into_scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+            numbers, scale = quantize_int8(x)
             into.index_copy_(0, slots, numbers)
             into_scale.index_copy_(0, slots, scale)
+            if read_back:
+                stored.append(dequantize_int8(numbers, scale, self.dtype))
+        return (stored[0], stored[1]) if read_back else None
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values stored at `slots` (any shape): (*slots.shape, Hkv, D) each, in `dtype`."""
@@ -218,14 +224,17 @@ class PagedLayerKV:
         """Keys every row reads this step (the batch's largest position plus one, or its widest window)."""
         return self.read_slots.shape[1]
 
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Writes k, v (B, Hkv, T, D) of the real tokens into their slots."""
+    def write(
+        self, k: torch.Tensor, v: torch.Tensor, read_back: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Writes k, v (B, Hkv, T, D) of the real tokens into their slots; with `read_back`, returns those tokens'
+        keys and values (N, Hkv, D) as the cache holds them."""
         B, H, T, D = k.shape
         new_k = k.transpose(1, 2).reshape(B * T, H, D)
         new_v = v.transpose(1, 2).reshape(B * T, H, D)
         if self.keep is not None:  # drop the padding
             new_k, new_v = new_k[self.keep], new_v[self.keep]
-        self.layer.write(self.write_slots, new_k, new_v)
+        return self.layer.write(self.write_slots, new_k, new_v, read_back)
 
     def attend_in_place(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
