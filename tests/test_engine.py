@@ -374,16 +374,20 @@ def test_block_pool_reference_counts_and_lru_eviction() -> None:
     assert allocator.match_prefix([10, 11, 12, 13], max_blocks=2) == []
 
 
-def test_copy_on_write_copies_the_block_contents() -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_copy_on_write_copies_the_block_contents(kv_cache_dtype: str) -> None:
+    """Keys, values and (in an int8 cache) their scales: block 2 reads back what block 0 holds."""
     from tformer.inference.blocks import BlockCopy
     from tformer.inference.paged import PagedKVCache
 
-    kv = PagedKVCache(n_layers=2, num_blocks=3, block_size=2, n_kv_heads=1, head_dim=3, dtype=torch.float32)
-    for layer in kv.k + kv.v:
-        layer.copy_(torch.randn_like(layer))
+    kv = PagedKVCache(2, 3, 2, n_kv_heads=1, head_dim=3, dtype=torch.float32, kv_cache_dtype=kv_cache_dtype)
+    for layer in kv.layers:
+        layer.write(torch.arange(6), torch.randn(6, 1, 3), torch.randn(6, 1, 3))
     kv.copy_blocks([BlockCopy(0, 2)])
-    for layer in kv.k + kv.v:
-        torch.testing.assert_close(layer[4:6], layer[0:2], rtol=0, atol=0)
+    for layer in kv.layers:
+        for copied, source in zip(layer.read(torch.arange(4, 6)), layer.read(torch.arange(0, 2)), strict=True):
+            torch.testing.assert_close(copied, source, rtol=0, atol=0)
+        assert not torch.equal(layer.read(torch.arange(2, 4))[0], layer.read(torch.arange(0, 2))[0])
 
 
 def test_a_kv_pool_is_zeros_and_takes_memory_only_where_written() -> None:
