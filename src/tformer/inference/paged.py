@@ -7,8 +7,8 @@
   through the slot mapping and reads every sequence's keys back through its block table, or attends in place.
 
 With `kv_cache_dtype="int8"` (llama.cpp's q8_0 cache type, vLLM's `--kv-cache-dtype`) each slot's key and value
-of each KV head are stored as 64-ish int8 numbers and one float32 scale, their largest magnitude over 127: a
-SmolLM2 token's keys and values take 408 bytes a layer instead of 768 in bf16, so the same pool holds 1.9x the
+of each KV head are stored as head_dim int8 numbers and one float32 scale, their largest magnitude over 127: a
+SmolLM2 token's keys and values take 408 bytes a layer instead of 768 in bf16, so the same pool holds 1.88x the
 tokens, and a decode step reads about half the bytes. Every attention then sees the rounded keys and values (the
 ones just computed too, so that a prompt's tokens attend as they will be read back); see docs/engine.md for the
 perplexity this costs.
