@@ -77,68 +77,42 @@ def dequantized(case, dtype: torch.dtype = torch.float64):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 # the kernel's tasks: one (row, KV head) each under 4 rows a thread, else one row's KV heads together
 @pytest.mark.parametrize("many_rows", [False, True], ids=["few-rows", "many-rows"])
+# a float cache of q's dtype, or an int8 one (dequantized where the kernel converts keys and values to fp32) against
+# the formula over the values it stands for, with the same margins
+@pytest.mark.parametrize("int8", [False, True], ids=["float-cache", "int8-cache"])
 def test_kernel_equals_the_softmax_formula(
-    head_dim: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype, many_rows: bool
+    head_dim: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype, many_rows: bool, int8: bool
 ) -> None:
-    case = paged_case(4 * torch.get_num_threads() + 2 if many_rows else 3, n_heads, n_kv_heads, head_dim, dtype)
+    rows = 4 * torch.get_num_threads() + 2 if many_rows else 3
+    case = (int8_case if int8 else paged_case)(rows, n_heads, n_kv_heads, head_dim, dtype)
     out = paged_decode_attention(*case)
     assert out.dtype == dtype and out.shape == case[0].shape
     tolerance = 1e-5 if dtype == torch.float32 else BF16_MARGIN
-    torch.testing.assert_close(out.double(), softmax_formula(*case), atol=tolerance, rtol=tolerance)
+    expected = softmax_formula(*dequantized(case)) if int8 else softmax_formula(*case)
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
 
 
 # Fewer (row, KV head) tasks than twice the threads, and 256 keys or more (the kernel's MIN_SPLIT_KEYS): each row's
 # keys split into one range a thread, whose results merge. 1 row of 3 KV heads, or 3 rows of 1 (the first with a
-# single key, which leaves a range without keys); 2 threads and 3 for ranges of unequal length.
+# single key, which leaves a range without keys); 2 threads and 3 for ranges of unequal length. A float cache of q's
+# dtype, or an int8 one against the formula over the values it stands for.
 @pytest.mark.parametrize("rows, n_heads, n_kv_heads", [(1, 9, 3), (3, 4, 1)], ids=["one-row-gqa", "three-rows-mqa"])
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("int8", [False, True], ids=["float-cache", "int8-cache"])
 def test_long_rows_split_across_threads_equal_the_softmax_formula(
-    rows: int, n_heads: int, n_kv_heads: int, threads: int, dtype: torch.dtype
+    rows: int, n_heads: int, n_kv_heads: int, threads: int, dtype: torch.dtype, int8: bool
 ) -> None:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        case = paged_case(rows, n_heads, n_kv_heads, 64, dtype, block=16, longest=601)
+        case = (int8_case if int8 else paged_case)(rows, n_heads, n_kv_heads, 64, dtype, block=16, longest=601)
         out = paged_decode_attention(*case)
     finally:
         torch.set_num_threads(previous)
     tolerance = 1e-5 if dtype == torch.float32 else BF16_MARGIN
-    torch.testing.assert_close(out.double(), softmax_formula(*case), atol=tolerance, rtol=tolerance)
-
-
-# The int8 cache, dequantized where the kernel converts keys and values to fp32 (the portable loop: D = 20, not a
-# multiple of 16 or 8), against the formula over the same values in float64: the same margins as the float caches.
-@pytest.mark.parametrize("head_dim", [64, 128, 20], ids=["vectorized", "vectorized-128", "generic"])
-@pytest.mark.parametrize("n_heads, n_kv_heads", [(9, 3), (4, 1)], ids=["gqa", "mqa"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("many_rows", [False, True], ids=["few-rows", "many-rows"])
-def test_int8_kernel_equals_the_softmax_formula(
-    head_dim: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype, many_rows: bool
-) -> None:
-    case = int8_case(4 * torch.get_num_threads() + 2 if many_rows else 3, n_heads, n_kv_heads, head_dim, dtype)
-    out = paged_decode_attention(*case)
-    assert out.dtype == dtype and out.shape == case[0].shape
-    tolerance = 1e-5 if dtype == torch.float32 else BF16_MARGIN
-    torch.testing.assert_close(out.double(), softmax_formula(*dequantized(case)), atol=tolerance, rtol=tolerance)
-
-
-# As test_long_rows_split_across_threads_equal_the_softmax_formula, over an int8 cache
-@pytest.mark.parametrize("rows, n_heads, n_kv_heads", [(1, 9, 3), (3, 4, 1)], ids=["one-row-gqa", "three-rows-mqa"])
-@pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_int8_long_rows_split_across_threads_equal_the_softmax_formula(
-    rows: int, n_heads: int, n_kv_heads: int, threads: int, dtype: torch.dtype
-) -> None:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        case = int8_case(rows, n_heads, n_kv_heads, 64, dtype, block=16, longest=601)
-        out = paged_decode_attention(*case)
-    finally:
-        torch.set_num_threads(previous)
-    tolerance = 1e-5 if dtype == torch.float32 else BF16_MARGIN
-    torch.testing.assert_close(out.double(), softmax_formula(*dequantized(case)), atol=tolerance, rtol=tolerance)
+    expected = softmax_formula(*dequantized(case)) if int8 else softmax_formula(*case)
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
 
 
 # The vectorized paths multiply each value by its scale as the fp32 cache would hold it, then run the same code
