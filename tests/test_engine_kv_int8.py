@@ -109,6 +109,23 @@ def test_prefix_hits_and_a_sliding_window_read_the_int8_cache() -> None:
         assert tokens == int8_kv_greedy(windowed, prompt, params.max_tokens)
 
 
+def test_greedy_speculation_over_int8_caches_gives_the_target_alone() -> None:
+    """A draft (the target with noise in its weights) keeps its own int8 cache; verifying its tokens writes and reads
+    the target's int8 cache several tokens a row: the target's reference tokens, with drafts both kept and refused."""
+    target = make_model(tiny_config("tiny-llama"))
+    draft = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.5 * p.std().nan_to_num(0.0) * torch.randn(p.shape, generator=generator))
+    prompts = prompts_of_mixed_lengths(target.config.vocab_size)
+    config = EngineConfig(block_size=4, num_speculative_tokens=3, kv_cache_dtype="int8")
+    engine = Engine(target, config=config, draft=draft)
+    assert run(engine, prompts) == [int8_kv_greedy(target, p, GREEDY.max_tokens) for p in prompts]
+    assert engine.drafter.kv.k[0].dtype == torch.int8
+    assert 0 < engine.speculative.accepted < engine.speculative.proposed
+
+
 @pytest.mark.skipif(not available(), reason="needs the paged attention kernel (a C++ compiler)")
 def test_compiled_int8_decode_steps_give_the_reference_tokens() -> None:
     model = make_model(tiny_config("tiny-llama"))
