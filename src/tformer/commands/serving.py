@@ -49,8 +49,8 @@ def generate(
     draft_model: a small model on the same tokenizer for speculative decoding (or the model itself, quantized)
     draft_quantize: int8, int4 or w8a8 quantization of the draft model (default: none)
     speculative_tokens: draft tokens per decode step, with a draft model
-    kv_cache_dtype: auto (the model's dtype) or int8 (keys and values rounded to int8 with a scale each: 1.9x the
-      tokens in the same memory, at a measured perplexity cost; see docs/engine.md)
+    kv_cache_dtype: auto (the model's dtype) or int8 (keys and values as int8 with a scale per token and head:
+      about half bf16's bytes, so more tokens fit and long contexts decode faster; perplexity in docs/engine.md)
     """
     from tformer.inference import EngineConfig, SamplingParams
     from tformer.serve.loading import load_engine
@@ -116,8 +116,8 @@ def serve(
     draft_model: a small model on the same tokenizer for speculative decoding (or the model itself, quantized)
     draft_quantize: int8, int4 or w8a8 quantization of the draft model (default: none)
     speculative_tokens: draft tokens per decode step, with a draft model
-    kv_cache_dtype: auto (the model's dtype) or int8 (keys and values rounded to int8 with a scale each: 1.9x the
-      tokens in the same memory, at a measured perplexity cost; see docs/engine.md)
+    kv_cache_dtype: auto (the model's dtype) or int8 (keys and values as int8 with a scale per token and head:
+      about half bf16's bytes, so more tokens fit and long contexts decode faster; perplexity in docs/engine.md)
     """
     from tformer.inference import EngineConfig
     from tformer.serve import run_server
@@ -206,8 +206,8 @@ def bench(
     batch: requests decoded together for the batched figure
     prompt_tokens: prompt length (random tokens, so the prefix cache cannot help)
     new_tokens: tokens generated per request
-    kv_cache_dtype: auto (the model's dtype) or int8 (keys and values rounded to int8 with a scale each: 1.9x the
-      tokens in the same memory, at a measured perplexity cost; see docs/engine.md)
+    kv_cache_dtype: auto (the model's dtype) or int8 (keys and values as int8 with a scale per token and head:
+      about half bf16's bytes, so more tokens fit and long contexts decode faster; perplexity in docs/engine.md)
     """
     from tformer.inference import EngineConfig
     from tformer.inference.bench import bench_engine, format_bench, remedies
