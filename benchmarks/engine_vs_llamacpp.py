@@ -77,6 +77,7 @@ from test_interop_gguf import john_1, perplexity  # noqa: E402
 
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tformer.inference.bench import copy_bandwidth, weight_bytes_per_token  # noqa: E402
+from tformer.inference.paged import KV_CACHE_DTYPES  # noqa: E402
 from tformer.inference.quantize import model_bytes, set_precision  # noqa: E402
 from tformer.interop.loading import load_pretrained  # noqa: E402
 from tformer.layers.kv_cache import LayerCache  # noqa: E402
@@ -286,7 +287,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "int8"],
+        choices=KV_CACHE_DTYPES,
         default="auto",
         help="int8: tformer's int8 KV cache against llama.cpp's q8_0 one (default: the model's dtype / f16)",
     )
