@@ -382,7 +382,7 @@ def test_copy_on_write_copies_the_block_contents(kv_cache_dtype: str) -> None:
 
     kv = PagedKVCache(2, 3, 2, n_kv_heads=1, head_dim=3, dtype=torch.float32, kv_cache_dtype=kv_cache_dtype)
     for layer in kv.layers:
-        layer.write(torch.arange(6), torch.randn(6, 1, 3), torch.randn(6, 1, 3))
+        layer.store(torch.arange(6), *layer.encode(torch.randn(6, 1, 3)), *layer.encode(torch.randn(6, 1, 3)))
     kv.copy_blocks([BlockCopy(0, 2)])
     for layer in kv.layers:
         for copied, source in zip(layer.read(torch.arange(4, 6)), layer.read(torch.arange(0, 2)), strict=True):

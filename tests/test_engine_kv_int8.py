@@ -71,15 +71,16 @@ def test_quantize_int8_follows_its_formula() -> None:
 
 
 def test_an_int8_layer_reads_back_the_rounded_vectors_it_stored() -> None:
-    """`LayerTensors.write` then `read` (any slot shape), `write(read_back=True)` and `as_stored` all give
+    """`LayerTensors.encode` then `store` and `read` (any slot shape), and `decode` of what `encode` gave, all give
     dequantize(quantize(x)) in the attention's dtype, bit for bit: the one rule every path of the engine follows."""
     layer = PagedKVCache(1, 4, 4, n_kv_heads=2, head_dim=8, dtype=torch.bfloat16, kv_cache_dtype="int8").layers[0]
     generator = torch.Generator().manual_seed(0)
     k, v = (torch.randn(5, 2, 8, generator=generator, dtype=torch.bfloat16) * 3 for _ in "kv")
     slots = torch.tensor([3, 0, 7, 12, 9])
     expected = [dequantize_int8(*quantize_int8(x), torch.bfloat16) for x in (k, v)]
-    written = layer.write(slots, k, v, read_back=True)
-    for got in (written, layer.read(slots), layer.as_stored(k, v)):
+    encoded = [layer.encode(x) for x in (k, v)]
+    layer.store(slots, *encoded[0], *encoded[1])
+    for got in ([layer.decode(*e) for e in encoded], layer.read(slots)):
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     keys, values = layer.read(slots.view(1, 5))
     assert keys.shape == (1, 5, 2, 8) and torch.equal(keys[0], expected[0]) and torch.equal(values[0], expected[1])

@@ -61,13 +61,13 @@ class PackedLayerKV(PagedLayerKV):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Writes k, v (1, Hkv, N, D), then returns each sequence's causal attention over its keys: (1, H, N, D)."""
-        new_keys, new_values = self.write(k, v, read_back=True)  # (N, Hkv, D): the row's, as the cache holds them
+        new_keys, new_values = self.write(k, v, read_back=True)  # (1, Hkv, N, D): the row's, as the cache holds them
         dtype = self.layer.dtype
         outputs = []
         for segment in self.segments:
             columns = slice(segment.offset, segment.offset + segment.length)
             if segment.read_slots is None:  # the keys just computed
-                keys, values = (t[columns].transpose(0, 1)[None] for t in (new_keys, new_values))
+                keys, values = new_keys[:, :, columns], new_values[:, :, columns]
             else:
                 # (1, Hkv, start + length, D) each
                 keys, values = (t.transpose(0, 1)[None] for t in self.layer.read(segment.read_slots))

@@ -62,36 +62,32 @@ class LayerTensors:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
 
-    def write(
-        self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, read_back: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Stores k, v (N, Hkv, D) at `slots` (N,); with `read_back`, returns them as reading them back gives them."""
-        if not self.quantized:
-            k, v = k.to(self.dtype), v.to(self.dtype)
-            self.k.index_copy_(0, slots, k)
-            self.v.index_copy_(0, slots, v)
-            return (k, v) if read_back else None
-        stored = []
-        for x, into, into_scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
-            numbers, scale = quantize_int8(x)
-            into.index_copy_(0, slots, numbers)
-            into_scale.index_copy_(0, slots, scale)
-            if read_back:
-                stored.append(dequantize_int8(numbers, scale, self.dtype))
-        return (stored[0], stored[1]) if read_back else None
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Keys or values x (..., D) as the pool holds them: in its dtype and no scales, or int8 numbers and scales."""
+        return quantize_int8(x) if self.quantized else (x.to(self.dtype), None)
+
+    def decode(self, stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """What `encode` gave, as reading it back gives it: in the attention's dtype."""
+        return stored if scale is None else dequantize_int8(stored, scale, self.dtype)
+
+    def store(
+        self,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        k_scale: torch.Tensor | None,
+        v: torch.Tensor,
+        v_scale: torch.Tensor | None,
+    ) -> None:
+        """Puts encoded keys and values (N, Hkv, D), and their scales (N, Hkv) in an int8 cache, at `slots` (N,)."""
+        for into, rows in ((self.k, k), (self.v, v), (self.k_scale, k_scale), (self.v_scale, v_scale)):
+            if into is not None:
+                into.index_copy_(0, slots, rows)
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values stored at `slots` (any shape): (*slots.shape, Hkv, D) each, in `dtype`."""
         if not self.quantized:
             return self.k[slots], self.v[slots]
-        keys = dequantize_int8(self.k[slots], self.k_scale[slots], self.dtype)
-        return keys, dequantize_int8(self.v[slots], self.v_scale[slots], self.dtype)
-
-    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v as reading them back after `write` gives them (rounded to int8 and back in an int8 cache)."""
-        if not self.quantized:
-            return k.to(self.dtype), v.to(self.dtype)
-        return dequantize_int8(*quantize_int8(k), self.dtype), dequantize_int8(*quantize_int8(v), self.dtype)
+        return self.decode(self.k[slots], self.k_scale[slots]), self.decode(self.v[slots], self.v_scale[slots])
 
     def copy_slots(self, dst: slice, src: slice) -> None:
         for tensor in self.tensors:
@@ -131,8 +127,15 @@ class PagedKVCache:
             )
 
         self.layers = [layer() for _ in range(n_layers)]
-        self.k = [layer.k for layer in self.layers]
-        self.v = [layer.v for layer in self.layers]
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        """Every layer's keys (in an int8 cache, their int8 numbers)."""
+        return [layer.k for layer in self.layers]
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return [layer.v for layer in self.layers]
 
     @property
     def nbytes(self) -> int:
@@ -227,14 +230,14 @@ class PagedLayerKV:
     def write(
         self, k: torch.Tensor, v: torch.Tensor, read_back: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Writes k, v (B, Hkv, T, D) of the real tokens into their slots; with `read_back`, returns those tokens'
-        keys and values (N, Hkv, D) as the cache holds them."""
-        B, H, T, D = k.shape
-        new_k = k.transpose(1, 2).reshape(B * T, H, D)
-        new_v = v.transpose(1, 2).reshape(B * T, H, D)
+        """Writes k, v (B, Hkv, T, D) of the real tokens into their slots, each encoded once; with `read_back`,
+        returns k and v as the cache holds them, (B, Hkv, T, D) (padding columns alike: they are never read)."""
+        encoded = [*self.layer.encode(k), *self.layer.encode(v)]  # k, its scales, v, its scales
+        rows = [None if t is None else t.transpose(1, 2).flatten(0, 1) for t in encoded]  # (B * T, Hkv, ...)
         if self.keep is not None:  # drop the padding
-            new_k, new_v = new_k[self.keep], new_v[self.keep]
-        return self.layer.write(self.write_slots, new_k, new_v, read_back)
+            rows = [None if t is None else t[self.keep] for t in rows]
+        self.layer.store(self.write_slots, *rows)
+        return (self.layer.decode(*encoded[:2]), self.layer.decode(*encoded[2:])) if read_back else None
 
     def attend_in_place(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -249,9 +252,9 @@ class PagedLayerKV:
 
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes k, v (B, Hkv, T, D) of the real tokens, returns every row's keys and values (B, Hkv, Tk, D)."""
-        self.write(k, v)
-        if self.whole_prompts:  # the keys just written, as the cache holds them (a padding column is never seen)
-            return self.layer.as_stored(k, v)
+        written = self.write(k, v, read_back=self.whole_prompts)
+        if written is not None:  # whole prompts: the keys just written, as the cache holds them
+            return written
         keys, values = self.layer.read(self.read_slots)  # (B, Tk, Hkv, D)
         return keys.transpose(1, 2), values.transpose(1, 2)
 
