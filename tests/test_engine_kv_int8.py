@@ -13,8 +13,10 @@ from conftest import make_model, tiny_config
 from helpers import prompts_of_mixed_lengths, reference_greedy
 
 from tformer.config import ConfigError
+from tformer.inference import kv_int8
 from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.paged import PagedKVCache, dequantize_int8, kv_bytes_per_token, quantize_int8
+from tformer.inference.kv_int8 import dequantize_int8, quantize_int8
+from tformer.inference.paged import PagedKVCache, kv_bytes_per_token
 from tformer.inference.paged_attention import available
 from tformer.inference.quantize import set_precision
 from tformer.inference.sampling import SamplingParams
@@ -85,6 +87,49 @@ def test_an_int8_layer_reads_back_the_rounded_vectors_it_stored() -> None:
     keys, values = layer.read(slots.view(1, 5))
     assert keys.shape == (1, 5, 2, 8) and torch.equal(keys[0], expected[0]) and torch.equal(values[0], expected[1])
     assert layer.k.dtype == torch.int8 and torch.equal(layer.k_scale[slots], quantize_int8(k)[1])
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, NaNs as NaNs (their sign bit may differ)."""
+    nan = b.isnan()
+    return torch.equal(a.isnan(), nan) and torch.equal(
+        a[~nan].float().view(torch.int32), b[~nan].float().view(torch.int32)
+    )
+
+
+@pytest.mark.skipif(not kv_int8.available(), reason="the int8 KV kernel did not build on this machine")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_the_kernel_writes_and_reads_the_formula_bits(dtype: torch.dtype, head_dim: int) -> None:
+    """`store_rounded` of keys (B, Hkv, T, D) laid out token-major (as a projection gives them): the pool's numbers
+    and scales at each real token's slot, nothing at a padding slot, and the read-back, equal `quantize_int8` and
+    `dequantize_int8` bit for bit, through zero, subnormal, NaN and infinite vectors; `read_rounded` (any slot shape)
+    equals the formula on the pool; a slot outside the pool is an error."""
+    generator = torch.Generator().manual_seed(0)
+    B, H, T, S = 3, 2, 37, 200
+    x = torch.randn(B, T, H, head_dim, generator=generator) * torch.rand(B, T, H, 1, generator=generator) * 5
+    x = x.to(dtype).transpose(1, 2)  # (B, H, T, D), not contiguous
+    x[0, 1, 3], x[2, 0, 5] = 0.0, 1e-40
+    x[1, 0, 2, 5], x[2, 1, 4, 1] = float("nan"), float("inf")
+    slots = torch.randperm(S, generator=generator)[: B * T]
+    slots[5] = -1  # a padding token
+    numbers, scales = torch.zeros(S, H, head_dim, dtype=torch.int8), torch.zeros(S, H)
+    rounded = kv_int8.store_rounded(x, slots, numbers, scales)
+    expected_numbers, expected_scales = quantize_int8(x)
+    assert same_values(rounded, dequantize_int8(expected_numbers, expected_scales, dtype))
+    real = slots >= 0
+    assert torch.equal(numbers[slots[real]], expected_numbers.transpose(1, 2).flatten(0, 1)[real])
+    assert same_values(scales[slots[real]], expected_scales.transpose(1, 2).flatten(0, 1)[real])
+    untouched = torch.ones(S, dtype=torch.bool)
+    untouched[slots[real]] = False  # the padding token's numbers went nowhere
+    assert not numbers[untouched].any() and not scales[untouched].any()
+    read_slots = slots[real][:60].view(2, 30)
+    assert same_values(
+        kv_int8.read_rounded(numbers, scales, read_slots, dtype),
+        dequantize_int8(numbers[read_slots], scales[read_slots], dtype),
+    )
+    with pytest.raises(Exception, match="outside the cache's 200 slots"):
+        kv_int8.read_rounded(numbers, scales, torch.tensor([200]), dtype)
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])

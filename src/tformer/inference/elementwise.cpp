@@ -19,16 +19,6 @@ using torch::stable::Tensor;
 // Work below this many elements runs on the calling thread: a fork and join costs more than it saves.
 constexpr int64_t PARALLEL_ELEMENTS = int64_t(1) << 15;
 
-// bfloat16 <-> float without branches, so that loops over them vectorize; rounds to nearest even as torch does.
-static inline float bf16_float(uint16_t x) {
-    return __builtin_bit_cast(float, uint32_t(x) << 16);
-}
-static inline uint16_t float_bf16(float x) {
-    const uint32_t bits = __builtin_bit_cast(uint32_t, x);
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    return (bits & 0x7fffffffu) > 0x7f800000u ? uint16_t((bits >> 16) | 0x40u) : uint16_t(rounded);  // NaN stays
-}
-
 // exp(x) in float: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts), then 2^n e^r with e^r a degree-6
 // polynomial (Cephes' expf coefficients) in fused multiply-adds: within 2 ulp of the exact value. x is first
 // clamped so that 2^n stays a normal float (e^x below e^-87.3 is 2^-126; above e^88.4 it is 2.4e38). `Lanes`

@@ -11,22 +11,20 @@
 // arrays of vector registers stay in registers.
 #define TFORMER_UNROLLED _Pragma("GCC unroll 16")
 
+// bfloat16 <-> float without branches, so that loops over them vectorize; rounds to nearest even as torch does.
+static inline float bf16_float(uint16_t x) {
+    return __builtin_bit_cast(float, uint32_t(x) << 16);
+}
+static inline uint16_t float_bf16(float x) {
+    const uint32_t bits = __builtin_bit_cast(uint32_t, x);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (bits & 0x7fffffffu) > 0x7f800000u ? uint16_t((bits >> 16) | 0x40u) : uint16_t(rounded);  // NaN stays
+}
 static inline float to_float(float x) { return x; }
 static inline float to_float(int8_t x) { return float(x); }  // an int8 cache's integer, before its scale
-static inline float to_float(uint16_t x) {  // bfloat16: the high half of a float
-    uint32_t bits = uint32_t(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
+static inline float to_float(uint16_t x) { return bf16_float(x); }  // bfloat16: the high half of a float
 static inline void store(float* out, float x) { *out = x; }
-static inline void store(uint16_t* out, float x) {  // round to nearest even, as torch does
-    uint32_t bits;
-    std::memcpy(&bits, &x, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) { *out = uint16_t((bits >> 16) | 0x40u); return; }  // NaN stays NaN
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    *out = uint16_t(bits >> 16);
-}
+static inline void store(uint16_t* out, float x) { *out = float_bf16(x); }  // NaN stays NaN
 // A rounded value as a signed byte of the int8 kernels: clamped to [-127, 127], a NaN as 0 (the NaN reaches the
 // output through the row's scale or sum instead; casting it to an integer would be undefined).
 static inline int8_t to_int8(float rounded) {

@@ -21,26 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from tformer.inference.blocks import BlockCopy
+from tformer.inference.kv_int8 import dequantize_int8, quantize_int8, read_rounded, store_rounded
 from tformer.inference.paged_attention import paged_decode_attention, supports
 from tformer.layers.kv_cache import zeroed
 from tformer.models import TransformerModel
 
 KV_CACHE_DTYPES = ("auto", "int8")  # "auto": the model's own dtype (its embedding's)
-INT8_LEVELS = 127  # a key's or value's int8 numbers are round(x / scale), scale = largest |x| / 127
-
-
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., D) as int8 numbers (..., D) and a float32 scale per vector (...): x ~ numbers * scale[..., None]."""
-    x = x.float()
-    scale = x.abs().amax(-1) / INT8_LEVELS
-    divisor = scale.clamp(min=torch.finfo(torch.float32).tiny)  # an all-zero vector: zeros, not 0 / 0
-    numbers = torch.round(x / divisor[..., None]).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
-    return numbers, scale
-
-
-def dequantize_int8(numbers: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The vectors `quantize_int8` stored, in `dtype`."""
-    return (numbers.float() * scale[..., None]).to(dtype)
 
 
 @dataclass
@@ -83,10 +69,28 @@ class LayerTensors:
             if into is not None:
                 into.index_copy_(0, slots, rows)
 
+    def store_rounded(
+        self, token_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An int8 cache's write of k, v (B, Hkv, T, D) at `token_slots` (B * T,; -1: padding) in one kernel pass
+        each (`kv_int8.store_rounded`); returns them as stored, (B, Hkv, T, D). None (nothing written) for a cache
+        in floating point, other dtypes or where the kernel does not apply."""
+        if not self.quantized or k.dtype != self.dtype or v.dtype != self.dtype:
+            return None
+        keys = store_rounded(k, token_slots, self.k, self.k_scale)
+        if keys is None:
+            return None
+        values = store_rounded(v, token_slots, self.v, self.v_scale)
+        assert values is not None, "the kernel served the keys, so it serves the values"
+        return keys, values
+
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values stored at `slots` (any shape): (*slots.shape, Hkv, D) each, in `dtype`."""
         if not self.quantized:
             return self.k[slots], self.v[slots]
+        keys = read_rounded(self.k, self.k_scale, slots, self.dtype)
+        if keys is not None:
+            return keys, read_rounded(self.v, self.v_scale, slots, self.dtype)
         return self.decode(self.k[slots], self.k_scale[slots]), self.decode(self.v[slots], self.v_scale[slots])
 
     def copy_slots(self, dst: slice, src: slice) -> None:
@@ -179,7 +183,8 @@ class PagedKVCache:
             key_starts = (first - self.window + 1).clamp(min=0)[:, None]  # (B, 1)
             n_keys = int((positions.max(dim=1, keepdim=True).values + 1 - key_starts).max())
             read_slots = self.slots(table, key_starts + torch.arange(n_keys, device=positions.device))  # (B, n_keys)
-        write_slots, keep = self.slots(table, positions).reshape(-1), None
+        token_slots = self.slots(table, positions).reshape(-1)  # -1 for padding
+        write_slots, keep = token_slots, None
         decode = positions.shape[1] == 1  # one token a row: no padding to drop
         if not decode:
             keep = write_slots >= 0
@@ -193,7 +198,7 @@ class PagedKVCache:
         # Whole prompts (every row from position 0, no window): a row's keys are exactly its new tokens'.
         whole_prompts = not decode and key_starts is None and not bool(positions[:, 0].any())
         return [
-            PagedLayerKV(layer, write_slots, keep, read_slots, key_starts, key_lengths, whole_prompts)
+            PagedLayerKV(layer, write_slots, keep, read_slots, key_starts, key_lengths, whole_prompts, token_slots)
             for layer in self.layers
         ]
 
@@ -210,9 +215,12 @@ class PagedLayerKV:
         key_starts: torch.Tensor | None = None,
         key_lengths: torch.Tensor | None = None,
         whole_prompts: bool = False,
+        token_slots: torch.Tensor | None = None,
     ) -> None:
         self.layer = layer
         self.write_slots, self.keep, self.read_slots = write_slots, keep, read_slots
+        # every token's slot, -1 for padding (write_slots without `keep` applied)
+        self.token_slots = write_slots if token_slots is None else token_slots
         self.key_starts = key_starts  # (B, 1) each row's first key position under a sliding window, else None
         self.key_lengths = key_lengths  # (B,) keys each row reads in a decode step, when it attends in place
         self.whole_prompts = whole_prompts  # every row's keys are its new tokens: `update` reads nothing back
@@ -232,6 +240,9 @@ class PagedLayerKV:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Writes k, v (B, Hkv, T, D) of the real tokens into their slots, each encoded once; with `read_back`,
         returns k and v as the cache holds them, (B, Hkv, T, D) (padding columns alike: they are never read)."""
+        stored = self.layer.store_rounded(self.token_slots, k, v)  # an int8 cache's one-pass kernel, where it applies
+        if stored is not None:
+            return stored if read_back else None
         encoded = [*self.layer.encode(k), *self.layer.encode(v)]  # k, its scales, v, its scales
         rows = [None if t is None else t.transpose(1, 2).flatten(0, 1) for t in encoded]  # (B * T, Hkv, ...)
         if self.keep is not None:  # drop the padding
