@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("kernel", ["int4", "w8a8", "paged_attention", "elementwise", "causal_attention"])
+@pytest.mark.parametrize("kernel", sorted(source.stem for source in native.HERE.glob("*.cpp")))
 def test_kernel_compiles_for_every_instruction_set(kernel: str, target: str) -> None:
     flags = [flag for flag in native.COMPILER_FLAGS if flag not in ("-march=native", "-shared", "-fPIC")]
     includes = [flag for flag in native.torch_flags() if flag.startswith("-I")]
