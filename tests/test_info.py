@@ -32,6 +32,19 @@ def test_kv_cache_gqa_and_sliding_window():
     assert info.kv_cached_tokens == 4096  # the rolling buffer never holds more than the window
 
 
+def test_int8_kv_bytes_are_what_the_engine_allocates():
+    """`info --kv-dtype int8` counts the float32 scale the engine keeps per head vector: SmolLM2-135M's figure is the
+    engine's own `kv_bytes_per_token` for an int8 cache."""
+    from tformer.inference.paged import kv_bytes_per_token
+
+    config = ModelConfig.from_preset("smollm2-135m")
+    info = model_info(config, context=2048, kv_dtype="int8")
+    assert info.kv_bytes_per_token == 2 * 3 * (64 + 4) * 30
+    with torch.device("meta"):
+        model = build_model(config)
+    assert info.kv_bytes_per_token == kv_bytes_per_token(model, "int8")
+
+
 def test_training_flops_are_three_forward_passes_and_near_6n():
     info = model_info(ModelConfig.from_preset("llama2-7b"), context=1)
     assert info.training_flops_per_token == 3 * info.forward_flops_per_token

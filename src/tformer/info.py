@@ -17,6 +17,9 @@ from tformer.config import ConfigError, ModelConfig
 from tformer.models import build_model
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+# Bytes stored beside each token's key or value vector of a KV head: the engine's int8 cache keeps a float32 scale
+# there (`--kv-cache-dtype int8`, inference/kv_int8.py), so that `info` counts what the engine allocates.
+SCALE_BYTES = {"int8": 4}
 
 
 @dataclass
@@ -76,7 +79,8 @@ def model_info(config: ModelConfig, context: int | None = None, kv_dtype: str = 
         decoder_flops += _linear_flops(head)
     else:
         encoder_flops += _linear_flops(head)
-    kv_per_layer_token = 2 * config.n_kv_heads * config.head_dim * DTYPE_BYTES[kv_dtype]
+    per_head = config.head_dim * DTYPE_BYTES[kv_dtype] + SCALE_BYTES.get(kv_dtype, 0)
+    kv_per_layer_token = 2 * config.n_kv_heads * per_head
     decoder_layers = config.n_decoder_layers if config.has_decoder else 0
     window = config.sliding_window or context
     return ModelInfo(

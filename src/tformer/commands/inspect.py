@@ -13,7 +13,8 @@ def info(model: str, context: int | None = None, dtype: str = "fp16") -> None:
 
     model: a preset name (e.g. transformer-base, gpt2, llama2-7b) or a YAML/JSON config file
     context: context length for attention FLOPs and the KV-cache total (default: the model's max_seq_len)
-    dtype: KV-cache element type: fp32, fp16, bf16, fp8 or int8
+    dtype: KV-cache element type: fp32, fp16, bf16, fp8 or int8 (int8 with a float32 scale per head vector, as
+      the engine's `--kv-cache-dtype int8` keeps)
     """
     from tformer.info import format_info, model_info
 
