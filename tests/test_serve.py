@@ -158,6 +158,57 @@ def test_chat_completions_equal_the_offline_engine(tiny, offline) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
 
+def test_logprobs_and_penalties_equal_the_offline_engine(tiny, offline) -> None:
+    """Completions' legacy `logprobs` (tokens, their log-probabilities, the top ones with the sampled token among
+    them, text offsets) and chat's `logprobs` / `top_logprobs` (token, log-probability, UTF-8 bytes), whole and
+    streamed, are the offline engine's; the penalties and logit_bias reach the engine."""
+    adjust = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "logit_bias": {"7": 3.0}}
+    expected = offline.complete(
+        "the cat", max_tokens=8, temperature=0.0, logprobs=2, **{**adjust, "logit_bias": {7: 3.0}}
+    )
+    text_of = [offline.tokenizer.decode([item.token_id]) for item in expected.logprobs]
+    result = client(tiny).completions.create(
+        model=NAME, prompt="the cat", max_tokens=8, temperature=0, logprobs=2, **adjust
+    )
+    choice = result.choices[0]
+    assert choice.text == expected.text and choice.logprobs.tokens == text_of
+    close = dict(abs=1e-5)  # the server's engine batches and threads as it will: the last bits may differ
+    assert choice.logprobs.token_logprobs == pytest.approx([item.logprob for item in expected.logprobs], **close)
+    assert choice.logprobs.text_offset == [sum(len(t) for t in text_of[:i]) for i in range(len(text_of))]
+    for top, item in zip(choice.logprobs.top_logprobs, expected.logprobs, strict=True):
+        pairs = [*item.top, (item.token_id, item.logprob)]
+        assert top == pytest.approx({offline.tokenizer.decode([t]): lp for t, lp in pairs}, **close)
+    chunks = list(
+        client(tiny).completions.create(
+            model=NAME, prompt="the cat", max_tokens=8, temperature=0, logprobs=2, stream=True, **adjust
+        )
+    )
+    streamed = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(choice.logprobs.token_logprobs, **close)
+    assert [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == (
+        choice.logprobs.text_offset
+    )
+
+    messages = [{"role": "user", "content": "the sun is"}]
+    expected = offline.chat(messages, max_tokens=6, temperature=0.0, logprobs=3)
+    answer = client(tiny).chat.completions.create(
+        model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = answer.choices[0].logprobs.content
+    assert [c.token for c in content] == [offline.tokenizer.decode([i.token_id]) for i in expected.logprobs]
+    assert [c.logprob for c in content] == pytest.approx([i.logprob for i in expected.logprobs], **close)
+    assert all(c.bytes == list(c.token.encode()) and len(c.top_logprobs) == 3 for c in content)
+    tops = [t.logprob for c in content for t in c.top_logprobs]
+    assert tops == pytest.approx([lp for i in expected.logprobs for _, lp in i.top], **close)
+    stream = client(tiny).chat.completions.create(
+        model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True
+    )
+    streamed = [t.logprob for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx([i.logprob for i in expected.logprobs], **close)
+    plain = client(tiny).chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def test_raw_stream_is_openai_sse_ending_with_done(tiny) -> None:
     body = {"model": NAME, "prompt": "the cat", "max_tokens": 3, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{tiny.url}/v1/completions", json=body) as response:

@@ -46,14 +46,19 @@ ERROR_CASES = [
     (CMPL, {"prompt": "hi", "n": 17}, 400, "n"),
     (CMPL, {"prompt": "hi", "n": 0}, 400, "n"),
     (CMPL, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
-    (CMPL, {"prompt": "hi", "logprobs": 1}, 400, "logprobs"),
+    (CMPL, {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),  # OpenAI's legacy limit is 5
     (CMPL, {"prompt": "hi", "echo": True}, 400, "echo"),
     (CMPL, {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     (CMPL, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     (CMPL, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     (CMPL, {"prompt": "hi", "seed": 2**70}, 400, "seed"),
     (CMPL, {"prompt": "hi", "stop": ""}, 400, None),
-    (CMPL, {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    (CMPL, {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (CMPL, {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (CMPL, {"prompt": "hi", "logit_bias": {"the": 5}}, 400, "logit_bias"),  # keys are token ids
+    (CMPL, {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    (CMPL, {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, None),  # outside the vocabulary
+    (CMPL, {"prompt": "hi", "beam_width": 3, "logprobs": 1}, 400, None),  # beams rank by the model's own scores
     (CMPL, {"prompt": "hi", "beam_width": 0}, 400, "beam_width"),
     (CMPL, {"prompt": "hi", "beam_width": 3, "n": 2}, 400, None),  # beam search returns one hypothesis
     (CMPL, {"prompt": "hi", "beam_width": 3, "stop": "."}, 400, None),
@@ -62,7 +67,8 @@ ERROR_CASES = [
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     (CHAT, {"messages": "hi"}, 400, "messages"),
     (CHAT, {"messages": USER, "n": "3"}, 400, "n"),
-    (CHAT, {"messages": USER, "logprobs": True}, 400, "logprobs"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (CHAT, {"messages": USER, "model": "other"}, 404, "model"),
     (CHAT, {"messages": USER, "max_completion_tokens": 500}, 400, "max_completion_tokens"),
     ("/v1/embeddings", {"input": "hi"}, 404, None),
@@ -157,6 +163,9 @@ FIELDS = [
     "ignore_eos",
     "presence_penalty",
     "logit_bias",
+    "top_logprobs",
+    "frequency_penalty",
+    "repetition_penalty",
     "user",
     "unknown",
 ]

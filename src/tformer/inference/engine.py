@@ -33,7 +33,16 @@ from tformer.inference.outputs import Completion, OutputProcessor, RequestOutput
 from tformer.inference.paged import KV_CACHE_DTYPES, kv_bytes_per_token, paged_cache_for
 from tformer.inference.requests import InputProcessor, Request
 from tformer.inference.runner import StepBatch, group_by_width, make_runner, step_inputs
-from tformer.inference.sampling import RequestError, SamplingParams, greedy_tokens, sample_token, sampling_probs
+from tformer.inference.sampling import (
+    RequestError,
+    SamplingParams,
+    TokenLogprob,
+    adjust_logits,
+    greedy_tokens,
+    sample_token,
+    sampling_probs,
+    token_logprob,
+)
 from tformer.inference.scheduler import Scheduler, Sequence, Status
 from tformer.inference.speculative import Drafter, SpeculativeStats, accept_draft, accept_greedy, check_draft
 from tformer.inference.text import Tokenizer
@@ -234,9 +243,14 @@ class Engine:
             members += forks
         outputs = []
         for member in members:
-            greedy = member.params.greedy and best is not None
-            member.output.append(best if greedy else sample_token(logits, member.params, member.generator))
-            outputs.append(self._emit(member))
+            params, chosen_from = member.params, logits
+            if params.adjusts_logits:  # its own penalties and bias: the batch's argmax does not serve it
+                chosen_from = adjust_logits(logits, params, member.tokens_between(0, member.length), member.output)
+            greedy = params.greedy and best is not None and chosen_from is logits
+            token = best if greedy else sample_token(chosen_from, params, member.generator)
+            member.output.append(token)
+            logprob = None if params.logprobs is None else token_logprob(logits, token, params.logprobs)
+            outputs.append(self._emit(member, logprob))
         return outputs
 
     def _speculate(self, seqs: list[Sequence], lengths: list[int]) -> list[RequestOutput]:
@@ -295,8 +309,8 @@ class Engine:
         request.beams = None
         return [self.outputs.beam_result(seq.request_id, *group.result())]
 
-    def _emit(self, seq: Sequence) -> RequestOutput:
-        out = self.outputs.process(seq)
+    def _emit(self, seq: Sequence, logprob: TokenLogprob | None = None) -> RequestOutput:
+        out = self.outputs.process(seq, logprob)
         if out.finished:
             self.scheduler.finish(seq, out.finish_reason or "stop")
         return out

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tformer.inference.sampling import SamplingParams
+from tformer.inference.sampling import SamplingParams, TokenLogprob
 from tformer.inference.scheduler import Sequence
 from tformer.inference.text import TextTracker, Tokenizer
 
 
 @dataclass
 class RequestOutput:
-    """What one request produced in one step (streaming): new token ids and new text."""
+    """What one request produced in one step (streaming): new token ids and new text, and with
+    `SamplingParams.logprobs` each new token's log-probabilities."""
 
     request_id: str
     token_ids: list[int]
@@ -20,6 +21,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     index: int = 0  # which of the request's samples (SamplingParams.n)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -32,12 +34,15 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     index: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token, with `SamplingParams.logprobs`
 
 
 def accumulate(completion: Completion, out: RequestOutput) -> None:
     """Adds one step's output to a completion (what `Engine.generate` collects)."""
     completion.token_ids += out.token_ids
     completion.text += out.text
+    if out.logprobs is not None:
+        completion.logprobs = (completion.logprobs or []) + out.logprobs
     if out.finished:
         completion.finish_reason = out.finish_reason
 
@@ -66,8 +71,9 @@ class OutputProcessor:
         for index in range(n):
             self._texts.pop((request_id, index), None)
 
-    def process(self, seq: Sequence) -> RequestOutput:
-        """The output of the token just appended to `seq`: its new text, and whether and why the sample stops."""
+    def process(self, seq: Sequence, logprob: TokenLogprob | None = None) -> RequestOutput:
+        """The output of the token just appended to `seq` (and its `logprob`, when asked): its new text, and whether
+        and why the sample stops."""
         token, params = seq.output[-1], seq.params
         tracker = self._texts[seq.request_id, seq.index]
         reason = None
@@ -80,7 +86,8 @@ class OutputProcessor:
             reason = "length"
         if reason is not None and not hit_stop:
             text += tracker.flush()
-        return RequestOutput(seq.request_id, [token], text, reason is not None, reason, seq.index)
+        logprobs = None if logprob is None else [logprob]
+        return RequestOutput(seq.request_id, [token], text, reason is not None, reason, seq.index, logprobs)
 
     def beam_result(self, request_id: str, tokens: list[int], ended: bool) -> RequestOutput:
         """The one output of a finished beam search: its best hypothesis whole (with </s> if it `ended`)."""

@@ -118,6 +118,9 @@ class InputProcessor:
         """The request's first sequence; raises RequestError when the engine cannot serve it."""
         ids = self.encode(prompt)
         self.check_context(len(ids), params.max_tokens)
+        if any(token >= self.vocab_size for token in params.logit_bias):
+            biased = sorted(params.logit_bias)
+            raise RequestError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {biased}")
         decoder_prompt, source = self.runner.split_prompt(ids, self.bos_id)
         # every beam may need its own blocks in the end; a beam group that fits alone can always make progress
         blocks = self.scheduler.max_blocks_held(len(decoder_prompt) + params.max_tokens) * params.beam_width

@@ -1,4 +1,5 @@
-"""Per-request sampling parameters and the next-token choice: greedy, temperature, top-k, top-p.
+"""Per-request sampling parameters and the next-token choice: greedy, temperature, top-k, top-p; the penalties
+and logit bias that adjust a request's logits first, and the log-probabilities it may ask back.
 
 Each request carries its own `SamplingParams` and its own seeded generator, so a request's output does not
 depend on which other requests share its batch.
@@ -14,6 +15,8 @@ import torch
 from tformer.errors import RequestError
 
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # alternatives a token's log-probabilities may list (OpenAI's top_logprobs limit)
+MAX_BIAS = 100.0  # OpenAI's logit_bias range: -100 bans a token, +100 all but forces it
 
 
 @dataclass
@@ -24,6 +27,13 @@ class SamplingParams:
     `max_tokens`, at the tokenizer's end-of-sequence token (unless `ignore_eos`), at any of `stop_token_ids`,
     or when the text ends with one of `stop` (the stop string itself is not returned). With `n` > 1, sample i
     uses the seed `seed + i`, so it equals a request of its own with that seed.
+
+    Before a token is chosen, its logits are adjusted as vLLM and OpenAI do (`adjust_logits`): `repetition_penalty`
+    (> 1 discourages every token already in the prompt or output: a positive logit is divided by it, a negative
+    one multiplied), then `frequency_penalty` times each token's count in the output and `presence_penalty` once
+    for each token the output holds are subtracted, then `logit_bias` {token id: value} is added. With `logprobs`
+    = k, each generated token comes back with its log-probability and the k likeliest alternatives', from the
+    model's distribution (log-softmax of the raw logits, as vLLM's default; temperature and penalties excluded).
 
     `beam_width` > 1 asks for beam search instead: the request returns its best hypothesis, ranked by summed
     log-probability over GNMT's length penalty ((5 + |y|) / 6) ** `length_penalty`; temperature, top_k, top_p
@@ -41,6 +51,11 @@ class SamplingParams:
     n: int = 1  # independent samples of one prompt; they share the prompt's KV blocks (copy-on-write)
     beam_width: int = 1  # > 1: beam search; the beams share their common KV blocks (copy-on-write)
     length_penalty: float = 0.6  # beam search: GNMT's alpha (0 ranks by raw log-probability)
+    logprobs: int | None = None  # each token's log-probability and this many alternatives' (None: none)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,7 +74,29 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self._check_adjustments()
         self._check_beam_search()
+
+    def _check_adjustments(self) -> None:
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -2.0 <= value <= 2.0):
+                raise RequestError(f"{name} must be a number in [-2, 2], got {value!r}")
+        penalty = self.repetition_penalty
+        if not (isinstance(penalty, (int, float)) and math.isfinite(penalty) and penalty > 0):
+            raise RequestError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {penalty!r}")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise RequestError(f"logit_bias keys must be token ids (non-negative integers), got {token!r}")
+            if not (isinstance(bias, (int, float)) and -MAX_BIAS <= bias <= MAX_BIAS):
+                raise RequestError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for {token}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a logit bias changes this request's logits before it chooses."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
 
     def _check_beam_search(self) -> None:
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
@@ -70,6 +107,11 @@ class SamplingParams:
             raise RequestError(
                 "beam search returns one hypothesis and stops at end-of-sequence or max_tokens: "
                 "leave n at 1 and give no stop strings or stop_token_ids with beam_width > 1"
+            )
+        if self.beam_width > 1 and (self.adjusts_logits or self.logprobs is not None):
+            raise RequestError(
+                "beam search ranks hypotheses by the model's own log-probabilities: give no penalties, logit_bias "
+                "or logprobs with beam_width > 1"
             )
 
     @property
@@ -136,6 +178,39 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         return int(logits.argmax())
     probs = sampling_probs(logits, params)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, context: list[int], output: list[int]) -> torch.Tensor:
+    """A request's logits (V,) after its penalties and logit bias (see `SamplingParams`); `context` is every token
+    so far (prompt and output), `output` the generated ones. The input is left as it was."""
+    logits = logits.float().clone()
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(context)), dtype=torch.long, device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if output and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=logits.shape[0]).float()
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    for token, bias in params.logit_bias.items():
+        logits[token] += bias
+    return logits
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability, and the `top` likeliest tokens' (id, log-probability), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """The model's log-probability of `token` under its logits (V,) (log-softmax in fp32), and the `top` best."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    best = torch.topk(logprobs, top) if top else None
+    pairs = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+    return TokenLogprob(token, float(logprobs[token]), pairs)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -142,9 +142,13 @@ class Scheduler:
         return out
 
     def draft_length(self, seq: Sequence) -> int:
-        """Draft tokens the next step of `seq` may verify: none for a prompt, a beam or without a draft, and
-        never more than its max_tokens or the context leave room for."""
-        if not self.lookahead or seq.n_pending != 1 or not seq.output or seq.params.beam_width > 1:
+        """Draft tokens the next step of `seq` may verify: none for a prompt, a beam, a request with penalties, a
+        logit bias or logprobs, or without a draft, and never more than its max_tokens or the context leave room
+        for."""
+        params = seq.params
+        if not self.lookahead or seq.n_pending != 1 or not seq.output or params.beam_width > 1:
+            return 0
+        if params.adjusts_logits or params.logprobs is not None:  # verified drafts would need both per position
             return 0
         room = seq.params.max_tokens - len(seq.output) - 1
         if self.max_model_len is not None:

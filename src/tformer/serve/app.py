@@ -35,6 +35,7 @@ from tformer.serve.protocol import (
     ChatRequest,
     CompletionFormat,
     CompletionRequest,
+    Sample,
     new_id,
     usage,
 )
@@ -82,6 +83,11 @@ class Server:
         except UnicodeEncodeError as err:  # JSON's "\ud800" escapes decode to lone surrogates
             raise APIError(400, f"{param} is not valid Unicode ({err.reason} at {err.start})", param=param) from None
         return self.tokenizer.encode(text)
+
+    def token_text(self, token: int) -> str:
+        """One token's text, for log-probabilities (a byte-level piece of a character decodes to U+FFFD, as in
+        vLLM); `token_id:<id>` without a tokenizer."""
+        return f"token_id:{token}" if self.tokenizer is None else self.tokenizer.decode([token])
 
     def chat_prompt(self, body: ChatRequest) -> list[int]:
         if self.tokenizer is None or not self.tokenizer.chat_template:
@@ -177,8 +183,8 @@ class Server:
             try:
                 async for out in outputs:
                     generated += len(out.token_ids)
-                    if out.text:
-                        yield event(fmt.chunk(out.text, index=out.index))
+                    if out.text or out.logprobs:  # a token held back (a stop string may follow) keeps its logprob
+                        yield event(fmt.chunk(out.text, index=out.index, logprobs=out.logprobs))
                     if out.finished:
                         yield event(fmt.last_chunk(out.finish_reason, out.index))
             except EngineStopped as err:
@@ -226,17 +232,19 @@ class _EventStream(StreamingResponse):
             self.on_close()
 
 
-async def _collect(outputs: AsyncIterator[RequestOutput], n: int) -> tuple[list[tuple[str, str | None]], int]:
-    """(text, finish reason) of each of a request's `n` samples, and the number of tokens of all of them."""
-    parts: list[list[str]] = [[] for _ in range(n)]
-    reasons: list[str | None] = [None] * n
+async def _collect(outputs: AsyncIterator[RequestOutput], n: int) -> tuple[list[Sample], int]:
+    """Each of a request's `n` samples whole, and the number of tokens of all of them."""
+    samples = [Sample("", None) for _ in range(n)]
     generated = 0
     async with aclosing(outputs):
         async for out in outputs:
-            parts[out.index].append(out.text)
+            sample = samples[out.index]
+            sample.text += out.text
+            sample.finish_reason = out.finish_reason
+            if out.logprobs is not None:
+                sample.logprobs = (sample.logprobs or []) + out.logprobs
             generated += len(out.token_ids)
-            reasons[out.index] = out.finish_reason
-    return [("".join(p), reason) for p, reason in zip(parts, reasons, strict=True)], generated
+    return samples, generated
 
 
 async def _disconnected(request: Request) -> None:
@@ -276,7 +284,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         ids = server.encode(prompt, "prompt") if isinstance(prompt, str) else prompt
         max_tokens = body.max_tokens or 16
         server.check_fits(len(ids), max_tokens, "prompt", "max_tokens")
-        fmt = CompletionFormat(new_id(CompletionFormat.id_prefix), server.model_name)
+        fmt = CompletionFormat(new_id(CompletionFormat.id_prefix), server.model_name, server.token_text)
         params = body.sampling_params(max_tokens)
         return await server.run(request, ids, params, fmt, body.stream, body.include_usage, body.continuous_usage)
 
@@ -288,7 +296,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         tokens_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens or max(server.engine.room(len(ids)), 1)
         server.check_fits(len(ids), max_tokens, "messages", tokens_param)
-        fmt = ChatFormat(new_id(ChatFormat.id_prefix), server.model_name)
+        fmt = ChatFormat(new_id(ChatFormat.id_prefix), server.model_name, server.token_text)
         params = body.sampling_params(max_tokens)
         return await server.run(request, ids, params, fmt, body.stream, body.include_usage, body.continuous_usage)
 

@@ -1,7 +1,7 @@
 """The OpenAI wire format: request bodies (pydantic, strict types) and the responses and stream chunks.
 
-Parameters tformer cannot honour (best_of, logprobs, echo, penalties, ...) are declared, so that a
-request using them gets a 400 naming the parameter instead of being silently ignored. Unknown fields are
+Parameters tformer cannot honour (best_of, echo, suffix, tools) are declared, so that a request using them
+gets a 400 naming the parameter instead of being silently ignored. Unknown fields are
 ignored, as OpenAI's SDKs send new optional fields before servers know them.
 """
 
@@ -10,17 +10,21 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tformer.inference import SamplingParams
+from tformer.inference.sampling import TokenLogprob
 from tformer.serve.errors import APIError
 
 MAX_SAMPLES = 16  # n: more parallel samples of one prompt than this is a 400
 MIN_TEMPERATURE = 0.01  # below this, logits / T overflows float32; the distribution is already one-hot
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what torch.Generator.manual_seed takes
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]  # OpenAI's presence and frequency range
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 
 
 UNION_FORMS = {  # what a field of several accepted types takes, for error messages
@@ -53,9 +57,10 @@ class _GenerationRequest(BaseModel):
     n: int = Field(1, ge=1, le=MAX_SAMPLES)  # samples of one prompt: they share its KV blocks (copy-on-write)
     beam_width: int = Field(1, ge=1, le=MAX_SAMPLES)  # an extension: beam search, the best hypothesis returned
     length_penalty: Finite = 0.6  # an extension: beam search's GNMT alpha
-    presence_penalty: Finite = 0.0
-    frequency_penalty: Finite = 0.0
-    logit_bias: dict[str, Finite] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # an extension (vLLM's); 1 disables it
+    logit_bias: dict[str, Bias] | None = None  # {token id as a string: a bias added to its logit}
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -68,6 +73,11 @@ class _GenerationRequest(BaseModel):
         """The engine's parameters (RequestError for a value the engine refuses)."""
         temperature = max(self.temperature, MIN_TEMPERATURE) if self.temperature > 0 else 0.0
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias = {}
+        for token, value in (self.logit_bias or {}).items():
+            if not token.isdigit():
+                raise APIError(400, f"logit_bias keys are token ids, got {token!r}", param="logit_bias")
+            bias[int(token)] = value
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -79,7 +89,16 @@ class _GenerationRequest(BaseModel):
             n=self.n,
             beam_width=self.beam_width,
             length_penalty=self.length_penalty,
+            logprobs=self.logprobs_asked(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=bias,
         )
+
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives each token's log-probabilities list, or None when none are asked."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -97,8 +116,11 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # the sampled token's and this many likeliest tokens'
     suffix: str | None = None
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -136,8 +158,13 @@ class ChatRequest(_GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+
+    def logprobs_asked(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TranslationRequest(BaseModel):
@@ -159,12 +186,7 @@ def _is(*allowed: object) -> Callable[[object], bool]:
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (_is(None, 1), "only best_of=1"),
     "echo": (_is(False), "the prompt is not echoed back"),
-    "logprobs": (_is(None, False), "log-probabilities are not returned"),
-    "top_logprobs": (_is(None, 0), "log-probabilities are not returned"),
     "suffix": (_is(None), "insertion (suffix) is not supported"),
-    "presence_penalty": (lambda v: v == 0, "penalties are not implemented"),
-    "frequency_penalty": (lambda v: v == 0, "penalties are not implemented"),
-    "logit_bias": (lambda v: not v, "logit_bias is not implemented"),
     "tools": (lambda v: not v, "tool calling is not implemented"),
 }
 
@@ -184,14 +206,44 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+@dataclass
+class Sample:
+    """One finished sample of a request: its text, why it ended, and its tokens' log-probabilities when asked."""
+
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
 class CompletionFormat:
-    """Shapes /v1/completions answers: `text_completion` objects, whole or as stream chunks."""
+    """Shapes /v1/completions answers: `text_completion` objects, whole or as stream chunks. `token_text` gives a
+    token id's text, for log-probabilities."""
 
     id_prefix = "cmpl"
     endpoint = "/v1/completions"
 
-    def __init__(self, request_id: str, model: str) -> None:
+    def __init__(self, request_id: str, model: str, token_text: Callable[[int], str] = str) -> None:
         self.request_id, self.model, self.created = request_id, model, int(time.time())
+        self.token_text = token_text
+        self._offsets: dict[int, int] = {}  # each sample's text length so far in its streamed log-probabilities
+
+    def logprobs(self, items: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
+        """The legacy completions object: tokens, their log-probabilities, the top ones (the sampled token always
+        among them), and each token's offset in the sample's text."""
+        if items is None:
+            return None
+        tokens = [self.token_text(item.token_id) for item in items]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(token)
+        top = [{self.token_text(t): lp for t, lp in [*item.top, (item.token_id, item.logprob)]} for item in items]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [item.logprob for item in items],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
 
     def _wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -203,19 +255,26 @@ class CompletionFormat:
             **extra,
         }
 
-    def response(self, samples: list[tuple[str, str | None]], use: dict[str, int]) -> dict[str, Any]:
-        """The whole answer: one choice per sample, from (text, finish reason) pairs in index order."""
+    def response(self, samples: list[Sample], use: dict[str, int]) -> dict[str, Any]:
+        """The whole answer: one choice per sample, in index order."""
         choices = [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-            for i, (text, reason) in enumerate(samples)
+            {"index": i, "text": s.text, "logprobs": self.logprobs(s.logprobs, i), "finish_reason": s.finish_reason}
+            for i, s in enumerate(samples)
         ]
         return self._wrap(choices, usage=use)
 
     def first_chunks(self, n: int) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, text: str, finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
-        return self._wrap([{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        index: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "logprobs": self.logprobs(logprobs, index)}
+        return self._wrap([{**choice, "finish_reason": finish_reason}])
 
     def last_chunk(self, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
         return self.chunk("", finish_reason, index)
@@ -241,21 +300,47 @@ class ChatFormat(CompletionFormat):
             **extra,
         }
 
-    def response(self, samples: list[tuple[str, str | None]], use: dict[str, int]) -> dict[str, Any]:
+    def logprobs(self, items: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
+        """The chat object: per token its text, log-probability, UTF-8 bytes and the top alternatives'."""
+        if items is None:
+            return None
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = [{**entry(i.token_id, i.logprob), "top_logprobs": [entry(*pair) for pair in i.top]} for i in items]
+        return {"content": content, "refusal": None}
+
+    def response(self, samples: list[Sample], use: dict[str, int]) -> dict[str, Any]:
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
-            for i, (text, reason) in enumerate(samples)
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": s.text},
+                "logprobs": self.logprobs(s.logprobs),
+                "finish_reason": s.finish_reason,
+            }
+            for i, s in enumerate(samples)
         ]
         return self._wrap(choices, chunk=False, usage=use)
 
     def first_chunks(self, n: int) -> list[dict[str, Any]]:
         return [self._delta({"role": "assistant", "content": ""}, None, i) for i in range(n)]
 
-    def chunk(self, text: str, finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
-        return self._delta({"content": text}, finish_reason, index)
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        index: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> dict[str, Any]:
+        return self._delta({"content": text}, finish_reason, index, logprobs)
 
     def last_chunk(self, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
         return self._delta({}, finish_reason, index)
 
-    def _delta(self, delta: dict[str, str], finish_reason: str | None, index: int) -> dict[str, Any]:
-        return self._wrap([{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+    def _delta(
+        self, delta: dict[str, str], finish_reason: str | None, index: int, logprobs: list[TokenLogprob] | None = None
+    ) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs)}
+        return self._wrap([{**choice, "finish_reason": finish_reason}])

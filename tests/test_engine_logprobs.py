@@ -1,0 +1,145 @@
+"""Log-probabilities, penalties and logit bias in the engine (vLLM's and OpenAI's sampling parameters).
+
+The references are the uncached forward of the whole sequence at every step: its log-softmax for `logprobs`, and
+for the penalties the plain formulas written out here (repetition as in CTRL / HF, frequency and presence as in
+OpenAI's documentation), applied to its logits before the argmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, tiny_config
+from helpers import prompts_of_mixed_lengths
+
+from tformer.inference.engine import Engine, EngineConfig
+from tformer.inference.sampling import RequestError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return make_model(tiny_config("tiny-llama"), seed=3)
+
+
+def forward_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0].float()  # (T, V)
+
+
+def test_logprobs_are_the_uncached_forwards_log_softmax(model) -> None:
+    """Each token's log-probability and its 4 likeliest alternatives (best first) are the uncached forward's, greedy
+    and sampled, for every sample of n = 2; without `logprobs` none come back."""
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size)[:3]
+    engine = Engine(model, config=EngineConfig(block_size=4))
+    for params in (
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=4),
+        SamplingParams(max_tokens=6, temperature=0.8, seed=5, n=2, ignore_eos=True, logprobs=4),
+    ):
+        for completion in engine.generate(prompts, params):
+            prompt = completion.prompt_token_ids
+            reference = torch.log_softmax(forward_logits(model, prompt + completion.token_ids), -1)
+            assert [item.token_id for item in completion.logprobs] == completion.token_ids
+            for step, item in enumerate(completion.logprobs):
+                row = reference[len(prompt) - 1 + step]
+                assert item.logprob == pytest.approx(float(row[item.token_id]), abs=1e-5)
+                best = torch.topk(row, 4)
+                assert [token for token, _ in item.top] == best.indices.tolist()
+                assert [lp for _, lp in item.top] == pytest.approx(best.values.tolist(), abs=1e-5)
+    assert engine.generate(prompts[:1], SamplingParams(max_tokens=3))[0].logprobs is None
+
+
+def penalized_greedy(model: torch.nn.Module, prompt: list[int], n: int, params: SamplingParams) -> list[int]:
+    """Greedy decoding on the uncached forward, each step's logits adjusted by the plain formulas."""
+    ids = list(prompt)
+    for _ in range(n):
+        logits = forward_logits(model, ids)[-1]
+        output = ids[len(prompt) :]
+        for token in set(ids):
+            value = logits[token]
+            penalty = params.repetition_penalty
+            logits[token] = value / penalty if value > 0 else value * penalty
+        for token in set(output):
+            logits[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+        for token, bias in params.logit_bias.items():
+            logits[token] += bias
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize(
+    "adjustment",
+    [
+        dict(repetition_penalty=1.8),
+        dict(frequency_penalty=1.5),
+        dict(presence_penalty=2.0),
+        dict(repetition_penalty=0.7, frequency_penalty=-0.5, logit_bias={3: 0.4, 40: -1.0}),
+    ],
+    ids=["repetition", "frequency", "presence", "all"],
+)
+def test_penalties_and_bias_give_the_formulas_tokens(model, adjustment) -> None:
+    """Greedy tokens with each adjustment equal the reference's, which differ from the plain greedy ones: the
+    adjustment is applied, and applied per sequence in a batch of mixed lengths."""
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, **adjustment)
+    results = Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)
+    expected = [penalized_greedy(model, p, 12, params) for p in prompts]
+    assert [r.token_ids for r in results] == expected
+    plain = Engine(model, config=EngineConfig(block_size=4)).generate(
+        prompts,
+        SamplingParams(
+            **{
+                **vars(params),
+                **{"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": {}},
+            }
+        ),
+    )
+    assert [r.token_ids for r in plain] != expected
+
+
+def test_logit_bias_forces_and_bans_tokens(model) -> None:
+    """+100 makes a token certain; -100 keeps the otherwise greedy first token out of every sample."""
+    prompt = prompts_of_mixed_lengths(model.config.vocab_size)[0]
+    engine = Engine(model, config=EngineConfig(block_size=4))
+    forced = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=1.0, seed=1, logit_bias={17: 100}))
+    assert forced[0].token_ids == [17] * 5
+    first = int(forward_logits(model, prompt)[-1].argmax())
+    banned = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={first: -100})
+    assert first not in engine.generate([prompt], banned)[0].token_ids
+
+
+def test_a_draft_model_leaves_requests_with_logprobs_or_penalties_to_plain_decoding(model) -> None:
+    """With a draft, such requests get no drafts (verifying them would need both per position): the same tokens and
+    log-probabilities as without one, and nothing proposed."""
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size)[:3]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, frequency_penalty=0.5)
+    plain = Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)
+    engine = Engine(model, config=EngineConfig(block_size=4, num_speculative_tokens=3), draft=model)
+    drafted = engine.generate(prompts, params)
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    assert [[i.logprob for i in r.logprobs] for r in drafted] == [[i.logprob for i in r.logprobs] for r in plain]
+    assert engine.speculative.proposed == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(logit_bias={-3: 1.0}), "logit_bias keys"),
+        (dict(logit_bias={3: 101.0}), "logit_bias values"),
+        (dict(beam_width=2, logprobs=1), "beam search"),
+        (dict(beam_width=2, repetition_penalty=1.2), "beam search"),
+    ],
+)
+def test_bad_sampling_adjustments_are_refused(fields, message) -> None:
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(**fields)
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused(model) -> None:
+    engine = Engine(model, config=EngineConfig(block_size=4))
+    with pytest.raises(RequestError, match="logit_bias token ids must be in"):
+        engine.add_request([1, 2, 3], SamplingParams(logit_bias={model.config.vocab_size: 1.0}))
+    assert not engine.has_unfinished()
