@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 import threading
+import time
 
 import httpx
 import openai
@@ -265,6 +266,33 @@ def test_n_samples_equal_the_offline_engine_whole_and_streamed(tiny, offline) ->
             reasons[choice.index] = choice.finish_reason or reasons[choice.index]
     expected = offline.engine.generate([offline.tokenizer.apply_chat_template(USER)], SamplingParams(n=2, **params))
     assert texts == [c.text for c in expected] and reasons == [c.finish_reason for c in expected]
+    assert metric(tiny.url, "tformer_kv_blocks_in_use") == 0
+
+
+def test_a_batch_of_prompts_equals_the_offline_engine_whole_and_streamed(tiny, offline) -> None:
+    """A list of prompts (strings, or token-id lists) is one completion: prompt i's n samples are choices i * n + j,
+    each the offline engine's, the usage sums them, and every block returns to the pool, also after a stream is
+    left early."""
+    params = {"max_tokens": 6, "temperature": 1.0, "seed": 11}
+    prompts = ["the moon", "a dog", "the cat"]
+    expected = [c for p in prompts for c in offline.engine.generate([p], SamplingParams(n=2, **params))]
+    result = client(tiny).completions.create(model=NAME, prompt=prompts, n=2, **params)
+    assert [(c.index, c.text, c.finish_reason) for c in result.choices] == [
+        (i, c.text, c.finish_reason) for i, c in enumerate(expected)
+    ]
+    assert result.usage.prompt_tokens == sum(len(offline.tokenizer.encode(p)) for p in prompts)
+    assert result.usage.completion_tokens == sum(len(c.token_ids) for c in expected)
+    ids = [offline.tokenizer.encode(p) for p in prompts]
+    texts = [""] * 6
+    for chunk in client(tiny).completions.create(model=NAME, prompt=ids, n=2, stream=True, **params):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in expected]
+    with client(tiny).completions.create(model=NAME, prompt=prompts, max_tokens=40, stream=True) as stream:
+        next(iter(stream))  # then leave
+    deadline = time.monotonic() + 10
+    while metric(tiny.url, "tformer_kv_blocks_in_use") and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert metric(tiny.url, "tformer_kv_blocks_in_use") == 0
 
 

@@ -35,7 +35,9 @@ ERROR_CASES = [
     (CMPL, {"prompt": "hi", "max_tokens": 2.0}, 400, "max_tokens"),
     (CMPL, {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     (CMPL, {"max_tokens": 5}, 400, "prompt"),
-    (CMPL, {"prompt": ["a", "b"]}, 400, "prompt"),
+    (CMPL, {"prompt": ["a"] * 20, "n": 16}, 400, "prompt"),  # 320 choices: more than 256
+    (CMPL, {"prompt": ["hi", ""]}, 400, None),  # one prompt of the batch is empty
+    (CMPL, {"prompt": ["hi", " ".join(["sun"] * 100)]}, 400, "prompt"),  # one overflows the context
     (CMPL, {"prompt": [1, "b"]}, 400, "prompt"),
     (CMPL, {"prompt": ""}, 400, None),
     (CMPL, {"prompt": [10**9]}, 400, None),  # a token id outside the vocabulary

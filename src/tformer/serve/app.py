@@ -120,28 +120,45 @@ class Server:
     async def run(
         self,
         request: Request,
-        ids: list[int],
+        prompts: list[list[int]],
         params: SamplingParams,
         fmt: CompletionFormat,
         stream: bool,
         include_usage: bool = False,
         continuous_usage: bool = False,
     ) -> Response:
-        """Hands the request to the engine; answers with an SSE stream or the whole completion."""
+        """Hands the prompts to the engine, a request each, and answers with an SSE stream or the whole
+        completion: prompt i's samples are choices i * n .. i * n + n - 1."""
         started = time.perf_counter()
+        one = len(prompts) == 1
+        request_ids = [fmt.request_id] if one else [f"{fmt.request_id}-{i}" for i in range(len(prompts))]
+        added: list[str] = []
+
+        def release() -> None:
+            for request_id in added:
+                self.engine.release(request_id)
+
         try:
-            await self.engine.add(fmt.request_id, ids, params)
+            for request_id, ids in zip(request_ids, prompts, strict=True):
+                await self.engine.add(request_id, ids, params)
+                added.append(request_id)
         except EngineStopped as err:
+            release()
             raise APIError(503, str(err)) from None
-        self.metrics.prompt_tokens.inc(len(ids))
-        outputs = self._tracked(self.engine.stream(fmt.request_id), fmt.endpoint, started, params.n)
+        except BaseException:
+            release()
+            raise
+        prompt_tokens, choices = sum(len(ids) for ids in prompts), len(prompts) * params.n
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        outputs = self._tracked(self.engine.stream_all(added, params.n), fmt.endpoint, started, choices)
         if stream:
-            sse = self._sse(outputs, fmt, len(ids), include_usage, params.n, continuous_usage)
-            return _EventStream(sse, lambda: self.engine.release(fmt.request_id))
+            return _EventStream(
+                self._sse(outputs, fmt, prompt_tokens, include_usage, choices, continuous_usage), release
+            )
         try:
-            return await self._complete(request, outputs, fmt, len(ids), params.n)
+            return await self._complete(request, outputs, fmt, prompt_tokens, choices)
         finally:
-            self.engine.release(fmt.request_id)
+            release()
 
     async def _tracked(
         self, outputs: AsyncIterator[RequestOutput], endpoint: str, started: float, n: int
@@ -280,13 +297,13 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         body.check_supported()
-        prompt = body.single_prompt()
-        ids = server.encode(prompt, "prompt") if isinstance(prompt, str) else prompt
+        prompts = [server.encode(p, "prompt") if isinstance(p, str) else p for p in body.prompts()]
         max_tokens = body.max_tokens or 16
-        server.check_fits(len(ids), max_tokens, "prompt", "max_tokens")
+        for ids in prompts:
+            server.check_fits(len(ids), max_tokens, "prompt", "max_tokens")
         fmt = CompletionFormat(new_id(CompletionFormat.id_prefix), server.model_name, server.token_text)
         params = body.sampling_params(max_tokens)
-        return await server.run(request, ids, params, fmt, body.stream, body.include_usage, body.continuous_usage)
+        return await server.run(request, prompts, params, fmt, body.stream, body.include_usage, body.continuous_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
@@ -298,7 +315,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         server.check_fits(len(ids), max_tokens, "messages", tokens_param)
         fmt = ChatFormat(new_id(ChatFormat.id_prefix), server.model_name, server.token_text)
         params = body.sampling_params(max_tokens)
-        return await server.run(request, ids, params, fmt, body.stream, body.include_usage, body.continuous_usage)
+        return await server.run(request, [ids], params, fmt, body.stream, body.include_usage, body.continuous_usage)
 
 
 def create_app(

@@ -21,7 +21,7 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tformer.inference import Engine, RequestError, RequestOutput, SamplingParams
@@ -89,6 +89,7 @@ class _Stop:
 
 
 _ACCEPTED = None  # the first event of an accepted request
+_ENDED = object()  # `stream_all`: one of its requests has finished
 
 
 class AsyncEngine:
@@ -207,6 +208,39 @@ class AsyncEngine:
                 self._sinks.pop(request_id, None)
             else:
                 self._drop(request_id)
+
+    async def stream_all(self, request_ids: list[str], n: int) -> AsyncIterator[RequestOutput]:
+        """The outputs of several added requests of `n` samples each (a batch of prompts) as one request's, as they
+        come: sample j of request i becomes index i * n + j (OpenAI's choice order). Leaving early aborts them all."""
+        if len(request_ids) == 1:
+            async for output in self.stream(request_ids[0]):
+                yield output
+            return
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, request_id: str) -> None:
+            try:
+                async for output in self.stream(request_id):
+                    events.put_nowait(replace(output, index=i * n + output.index))
+            except Exception as err:  # noqa: BLE001 -- handed to the reader, which raises it
+                events.put_nowait(err)
+            events.put_nowait(_ENDED)
+
+        pumps = [asyncio.ensure_future(pump(i, request_id)) for i, request_id in enumerate(request_ids)]
+        try:
+            running = len(pumps)
+            while running:
+                event = await events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if event is _ENDED:
+                    running -= 1
+                    continue
+                yield event
+        finally:
+            for task in pumps:
+                task.cancel()  # a stream left unfinished aborts its request
+            await asyncio.gather(*pumps, return_exceptions=True)
 
     async def generate(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None

@@ -20,6 +20,7 @@ from tformer.inference.sampling import TokenLogprob
 from tformer.serve.errors import APIError
 
 MAX_SAMPLES = 16  # n: more parallel samples of one prompt than this is a 400
+MAX_CHOICES = 256  # a batch of prompts times n: more choices than this in one completion is a 400
 MIN_TEMPERATURE = 0.01  # below this, logits / T overflows float32; the distribution is already one-hot
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what torch.Generator.manual_seed takes
 Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -122,17 +123,19 @@ class CompletionRequest(_GenerationRequest):
     def logprobs_asked(self) -> int | None:
         return self.logprobs
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch (a list of strings or of token-id lists), answered as one
+        completion whose choices are prompt i's samples at indices i * n .. i * n + n - 1."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise APIError(
-                    400,
-                    f"batched prompts ({len(prompt)}) are not supported; send one prompt per request",
-                    param="prompt",
-                )
-            prompt = prompt[0]
-        return prompt  # type: ignore[return-value]
+        if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)):
+            return [prompt]  # type: ignore[list-item]
+        if len(prompt) * self.n > MAX_CHOICES:
+            raise APIError(
+                400,
+                f"{len(prompt)} prompts x n={self.n} is more than {MAX_CHOICES} choices; split the batch",
+                param="prompt",
+            )
+        return list(prompt)
 
 
 class TextPart(BaseModel):
