@@ -152,6 +152,8 @@ class Engine:
             eos = self.outputs.eos_ids
             request.beams = BeamGroup(seq, -1 if params.ignore_eos or not eos else min(eos))
             request.samples = []
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first prompt token has no context to be predicted from
         self.requests[request_id] = request
         self.outputs.add(request_id, 0, params)
         self.scheduler.add_request(seq)
@@ -216,7 +218,16 @@ class Engine:
         chunks = [seq.tokens_between(seq.n_computed, seq.n_computed + n) for seq, n in scheduled]
         starts = [seq.n_computed for seq in seqs]
         batch, views = step_inputs(self.kv, [seq.table for seq in seqs], chunks, starts, pack)
-        logits = self.runner.logits(seqs, batch, views)  # (B, V)
+        recording = [row for row, seq in enumerate(seqs) if self.requests[seq.request_id].records_prompt(seq)]
+        if recording:  # logits after every token of the step: a request asks its prompt's log-probabilities
+            every = self.runner.logits(seqs, batch, views, every_position=True)  # (B, T, V), or (1, N, V) packed
+            logits = batch.last_hidden(every)  # (B, V)
+            for row in recording:
+                last, n = int(batch.last_index[row]), len(chunks[row])
+                after_each = every[0 if batch.packed else row, last - n + 1 : last + 1]  # (n, V)
+                self.requests[seqs[row].request_id].record_prompt(seqs[row], starts[row], after_each)
+        else:
+            logits = self.runner.logits(seqs, batch, views)  # (B, V)
         if self.drafter is not None:
             self.drafter.follow(seqs, chunks, starts, self.config.pack_prompts)
         greedy = greedy_tokens(logits).tolist() if any(seq.params.greedy for seq in seqs) else None  # one call
@@ -311,6 +322,9 @@ class Engine:
 
     def _emit(self, seq: Sequence, logprob: TokenLogprob | None = None) -> RequestOutput:
         out = self.outputs.process(seq, logprob)
+        request = self.requests[seq.request_id]
+        if request.prompt_logprobs is not None and seq.index == 0:  # the request's first output carries them
+            out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
         if out.finished:
             self.scheduler.finish(seq, out.finish_reason or "stop")
         return out

@@ -22,6 +22,7 @@ class RequestOutput:
     finish_reason: str | None = None
     index: int = 0  # which of the request's samples (SamplingParams.n)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on sample 0's first output, when asked
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Completion:
     finish_reason: str | None = None
     index: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token, with `SamplingParams.logprobs`
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, with `prompt_logprobs`
 
 
 def accumulate(completion: Completion, out: RequestOutput) -> None:
@@ -43,6 +45,8 @@ def accumulate(completion: Completion, out: RequestOutput) -> None:
     completion.text += out.text
     if out.logprobs is not None:
         completion.logprobs = (completion.logprobs or []) + out.logprobs
+    if out.prompt_logprobs is not None:
+        completion.prompt_logprobs = out.prompt_logprobs
     if out.finished:
         completion.finish_reason = out.finish_reason
 

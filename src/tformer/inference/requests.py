@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import torch
+
 from tformer.errors import RequestError
 from tformer.inference.beams import BeamGroup
 from tformer.inference.blocks import BlockAllocator
 from tformer.inference.runner import ModelRunner
-from tformer.inference.sampling import SamplingParams, make_generator
+from tformer.inference.sampling import SamplingParams, TokenLogprob, make_generator, token_logprob
 from tformer.inference.scheduler import Scheduler, Sequence, Status
 from tformer.inference.text import Tokenizer
 
@@ -37,6 +39,24 @@ class Request:
     params: SamplingParams
     samples: list[Sequence] = field(default_factory=list)  # samples[i].index == i
     beams: BeamGroup | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt position so far (None for the first), until the
+    # request's first output carries them
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def records_prompt(self, seq: Sequence) -> bool:
+        """Whether a step over `seq` still adds to the request's prompt log-probabilities."""
+        recorded = self.prompt_logprobs
+        return recorded is not None and seq.index == 0 and len(recorded) < len(seq.prompt)
+
+    def record_prompt(self, seq: Sequence, start: int, after_each: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens that a step's tokens from `start` predict, from the logits
+        after each of them (n, V); a prefix computed again after a preemption adds nothing twice."""
+        recorded = self.prompt_logprobs
+        assert recorded is not None
+        for k, logits in enumerate(after_each):
+            target = start + k + 1  # the prompt position the logits after token start + k predict
+            if target == len(recorded) and target < len(seq.prompt):
+                recorded.append(token_logprob(logits, seq.prompt[target], seq.params.prompt_logprobs or 0))
 
     def sequences(self) -> list[Sequence]:
         """Every sequence of the request still in the engine's books."""

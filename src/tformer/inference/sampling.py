@@ -33,7 +33,9 @@ class SamplingParams:
     one multiplied), then `frequency_penalty` times each token's count in the output and `presence_penalty` once
     for each token the output holds are subtracted, then `logit_bias` {token id: value} is added. With `logprobs`
     = k, each generated token comes back with its log-probability and the k likeliest alternatives', from the
-    model's distribution (log-softmax of the raw logits, as vLLM's default; temperature and penalties excluded).
+    model's distribution (log-softmax of the raw logits, as vLLM's default; temperature and penalties excluded);
+    with `prompt_logprobs` = k, each prompt token after the first too (the prompt is then computed whole, without
+    prefix-cache hits).
 
     `beam_width` > 1 asks for beam search instead: the request returns its best hypothesis, ranked by summed
     log-probability over GNMT's length penalty ((5 + |y|) / 6) ** `length_penalty`; temperature, top_k, top_p
@@ -52,6 +54,7 @@ class SamplingParams:
     beam_width: int = 1  # > 1: beam search; the beams share their common KV blocks (copy-on-write)
     length_penalty: float = 0.6  # beam search: GNMT's alpha (0 ranks by raw log-probability)
     logprobs: int | None = None  # each token's log-probability and this many alternatives' (None: none)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (vLLM's; None: none)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -78,8 +81,10 @@ class SamplingParams:
         self._check_beam_search()
 
     def _check_adjustments(self) -> None:
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
+                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or None), got {value!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and -2.0 <= value <= 2.0):
@@ -108,7 +113,8 @@ class SamplingParams:
                 "beam search returns one hypothesis and stops at end-of-sequence or max_tokens: "
                 "leave n at 1 and give no stop strings or stop_token_ids with beam_width > 1"
             )
-        if self.beam_width > 1 and (self.adjusts_logits or self.logprobs is not None):
+        asks_logprobs = self.logprobs is not None or self.prompt_logprobs is not None
+        if self.beam_width > 1 and (self.adjusts_logits or asks_logprobs):
             raise RequestError(
                 "beam search ranks hypotheses by the model's own log-probabilities: give no penalties, logit_bias "
                 "or logprobs with beam_width > 1"

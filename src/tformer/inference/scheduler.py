@@ -201,7 +201,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            if self.prefix_caching and seq.n_computed == 0 and not seq.table:
+            # a request asking its prompt's log-probabilities computes every prompt token
+            if self.prefix_caching and seq.n_computed == 0 and not seq.table and seq.params.prompt_logprobs is None:
                 # keep at least one token to compute: its logits give the next token
                 max_hits = (len(seq.tokens) - 1) // self.allocator.block_size
                 seq.table = self.allocator.match_prefix(seq.tokens, max_hits, seq.block_hashes)

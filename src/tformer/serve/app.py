@@ -26,19 +26,11 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.inference import ContextLengthError, RequestOutput, SamplingParams
 from tformer.serve.async_engine import AsyncEngine, EngineStopped
 from tformer.serve.errors import APIError, error_body, install_error_handlers
+from tformer.serve.formats import ChatFormat, CompletionFormat, Sample, new_id, usage
 from tformer.serve.metrics import Metrics
 from tformer.serve.middleware import ApiKeyMiddleware, RequestCounter
 from tformer.serve.playground import add_playground
-from tformer.serve.protocol import (
-    UNION_FORMS,
-    ChatFormat,
-    ChatRequest,
-    CompletionFormat,
-    CompletionRequest,
-    Sample,
-    new_id,
-    usage,
-)
+from tformer.serve.protocol import UNION_FORMS, ChatRequest, CompletionRequest
 
 SSE_DONE = "data: [DONE]\n\n"
 

@@ -26,8 +26,9 @@ from tformer.errors import TformerError
 from tformer.inference.attention_map import CrossAttentionMap, cross_attention_map
 from tformer.serve.async_engine import EngineStopped
 from tformer.serve.errors import APIError, install_error_handlers
+from tformer.serve.formats import new_id, usage
 from tformer.serve.middleware import ApiKeyMiddleware
-from tformer.serve.protocol import UNION_FORMS, TranslationRequest, new_id, usage
+from tformer.serve.protocol import UNION_FORMS, TranslationRequest
 from tformer.serve.runs import LIVE_SECONDS, RunsDir
 
 if TYPE_CHECKING:
