@@ -47,6 +47,34 @@ def test_logprobs_are_the_uncached_forwards_log_softmax(model) -> None:
     assert engine.generate(prompts[:1], SamplingParams(max_tokens=3))[0].logprobs is None
 
 
+@pytest.mark.parametrize(
+    "engine_config",
+    [EngineConfig(block_size=4), EngineConfig(block_size=4, max_batched_tokens=6, pack_prompts=False)],
+    ids=["packed", "padded-chunks"],
+)
+def test_prompt_logprobs_are_the_uncached_forwards(model, engine_config) -> None:
+    """vLLM's `prompt_logprobs`: each prompt token after the first, with its 2 likeliest alternatives, equals the
+    uncached forward's log-softmax, in whole and chunked prompt steps; the request's first output of sample 0
+    carries them. A second run of the same prompts gets them whole too: such a request takes no prefix-cache hits."""
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size)
+    engine = Engine(model, config=engine_config)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, n=2, prompt_logprobs=2)
+    for _ in range(2):
+        for completion in engine.generate(prompts, params):
+            if completion.index:
+                assert completion.prompt_logprobs is None
+                continue
+            prompt = completion.prompt_token_ids
+            reference = torch.log_softmax(forward_logits(model, prompt), -1)
+            assert completion.prompt_logprobs[0] is None and len(completion.prompt_logprobs) == len(prompt)
+            for position, item in enumerate(completion.prompt_logprobs[1:], start=1):
+                row = reference[position - 1]
+                assert item.token_id == prompt[position]
+                assert item.logprob == pytest.approx(float(row[prompt[position]]), abs=1e-5)
+                assert [token for token, _ in item.top] == torch.topk(row, 2).indices.tolist()
+    assert engine.scheduler.prefix_hit_tokens == 0
+
+
 def penalized_greedy(model: torch.nn.Module, prompt: list[int], n: int, params: SamplingParams) -> list[int]:
     """Greedy decoding on the uncached forward, each step's logits adjusted by the plain formulas."""
     ids = list(prompt)
@@ -131,6 +159,7 @@ def test_a_draft_model_leaves_requests_with_logprobs_or_penalties_to_plain_decod
         (dict(logit_bias={3: 101.0}), "logit_bias values"),
         (dict(beam_width=2, logprobs=1), "beam search"),
         (dict(beam_width=2, repetition_penalty=1.2), "beam search"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
     ],
 )
 def test_bad_sampling_adjustments_are_refused(fields, message) -> None:

@@ -210,6 +210,40 @@ def test_logprobs_and_penalties_equal_the_offline_engine(tiny, offline) -> None:
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(tiny, offline) -> None:
+    """lm-evaluation-harness's loglikelihood request (`echo`, `logprobs`, one new token): the text starts with the
+    prompt, and the tokens are the prompt's then the new one, the first with no log-probability and the rest the
+    offline engine's `prompt_logprobs`; the same streamed, for a batch of two prompts, and plain echo without
+    log-probabilities."""
+    close = dict(abs=1e-5)
+    prompts = ["the cat sat on", "a dog"]
+    expected = [offline.complete(p, max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1) for p in prompts]
+    result = client(tiny).completions.create(
+        model=NAME, prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    for choice, prompt, completion in zip(result.choices, prompts, expected, strict=True):
+        assert choice.text == prompt + completion.text
+        ids = [*completion.prompt_token_ids, *completion.token_ids]
+        assert choice.logprobs.tokens == [offline.tokenizer.decode([t]) for t in ids]
+        assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+        scored = [*completion.prompt_logprobs[1:], *completion.logprobs]
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx([item.logprob for item in scored], **close)
+        tokens = choice.logprobs.tokens
+        assert choice.logprobs.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    texts, logprobs = ["", ""], [[], []]
+    for chunk in client(tiny).completions.create(
+        model=NAME, prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True, stream=True
+    ):
+        choice = chunk.choices[0]
+        texts[choice.index] += choice.text
+        logprobs[choice.index] += choice.logprobs.token_logprobs if choice.logprobs else []
+    assert texts == [c.text for c in result.choices]
+    assert logprobs[0][0] is None and logprobs[0][1:] == pytest.approx(result.choices[0].logprobs.token_logprobs[1:])
+    plain = client(tiny).completions.create(model=NAME, prompt="a dog", max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text == "a dog" + offline.complete("a dog", max_tokens=3, temperature=0.0).text
+    assert plain.choices[0].logprobs is None
+
+
 def test_raw_stream_is_openai_sse_ending_with_done(tiny) -> None:
     body = {"model": NAME, "prompt": "the cat", "max_tokens": 3, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{tiny.url}/v1/completions", json=body) as response:

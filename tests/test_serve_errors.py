@@ -49,7 +49,7 @@ ERROR_CASES = [
     (CMPL, {"prompt": "hi", "n": 0}, 400, "n"),
     (CMPL, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     (CMPL, {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),  # OpenAI's legacy limit is 5
-    (CMPL, {"prompt": "hi", "echo": True}, 400, "echo"),
+    (CMPL, {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
     (CMPL, {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     (CMPL, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     (CMPL, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),

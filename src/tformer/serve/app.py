@@ -26,7 +26,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.inference import ContextLengthError, RequestOutput, SamplingParams
 from tformer.serve.async_engine import AsyncEngine, EngineStopped
 from tformer.serve.errors import APIError, error_body, install_error_handlers
-from tformer.serve.formats import ChatFormat, CompletionFormat, Sample, new_id, usage
+from tformer.serve.formats import ChatFormat, CompletionFormat, Echo, Sample, new_id, usage
 from tformer.serve.metrics import Metrics
 from tformer.serve.middleware import ApiKeyMiddleware, RequestCounter
 from tformer.serve.playground import add_playground
@@ -76,10 +76,13 @@ class Server:
             raise APIError(400, f"{param} is not valid Unicode ({err.reason} at {err.start})", param=param) from None
         return self.tokenizer.encode(text)
 
-    def token_text(self, token: int) -> str:
+    def token_text(self, token: int | list[int], whole: bool = False) -> str:
         """One token's text, for log-probabilities (a byte-level piece of a character decodes to U+FFFD, as in
-        vLLM); `token_id:<id>` without a tokenizer."""
-        return f"token_id:{token}" if self.tokenizer is None else self.tokenizer.decode([token])
+        vLLM), or with `whole` a list of tokens' text; `token_id:<id>` without a tokenizer."""
+        tokens = token if isinstance(token, list) else [token]
+        if self.tokenizer is None:
+            return "".join(f"token_id:{t}" for t in tokens)
+        return self.tokenizer.decode(tokens)
 
     def chat_prompt(self, body: ChatRequest) -> list[int]:
         if self.tokenizer is None or not self.tokenizer.chat_template:
@@ -192,8 +195,13 @@ class Server:
             try:
                 async for out in outputs:
                     generated += len(out.token_ids)
-                    if out.text or out.logprobs:  # a token held back (a stop string may follow) keeps its logprob
-                        yield event(fmt.chunk(out.text, index=out.index, logprobs=out.logprobs))
+                    # a token held back (a stop string may follow) keeps its logprob; an echo goes out at once
+                    if out.text or out.logprobs or fmt.echoes(out.index):
+                        yield event(
+                            fmt.chunk(
+                                out.text, index=out.index, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs
+                            )
+                        )
                     if out.finished:
                         yield event(fmt.last_chunk(out.finish_reason, out.index))
             except EngineStopped as err:
@@ -252,6 +260,8 @@ async def _collect(outputs: AsyncIterator[RequestOutput], n: int) -> tuple[list[
             sample.finish_reason = out.finish_reason
             if out.logprobs is not None:
                 sample.logprobs = (sample.logprobs or []) + out.logprobs
+            if out.prompt_logprobs is not None:
+                sample.prompt_logprobs = out.prompt_logprobs
             generated += len(out.token_ids)
     return samples, generated
 
@@ -293,7 +303,11 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         max_tokens = body.max_tokens or 16
         for ids in prompts:
             server.check_fits(len(ids), max_tokens, "prompt", "max_tokens")
-        fmt = CompletionFormat(new_id(CompletionFormat.id_prefix), server.model_name, server.token_text)
+        echo = None
+        if body.echo:
+            texts = [p if isinstance(p, str) else server.token_text(p, whole=True) for p in body.prompts()]
+            echo = Echo(texts, prompts, body.n)
+        fmt = CompletionFormat(new_id(CompletionFormat.id_prefix), server.model_name, server.token_text, echo)
         params = body.sampling_params(max_tokens)
         return await server.run(request, prompts, params, fmt, body.stream, body.include_usage, body.continuous_usage)
 

@@ -26,42 +26,84 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 @dataclass
 class Sample:
-    """One finished sample of a request: its text, why it ended, and its tokens' log-probabilities when asked."""
+    """One finished sample of a request: its text, why it ended, and its tokens' log-probabilities when asked (and
+    on each prompt's first sample, its prompt's)."""
 
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass
+class Echo:
+    """What completions' `echo` puts before each choice: prompt i's text and token ids (choices i * n + j)."""
+
+    texts: list[str]
+    ids: list[list[int]]
+    n: int
+
+
+Entries = list[tuple[int, TokenLogprob | None]]  # (token id, its log-probabilities or None: a first prompt token)
 
 
 class CompletionFormat:
     """Shapes /v1/completions answers: `text_completion` objects, whole or as stream chunks. `token_text` gives a
-    token id's text, for log-probabilities."""
+    token id's text, for log-probabilities; with `echo` each choice starts with its prompt (and its prompt's
+    log-probabilities, when asked)."""
 
     id_prefix = "cmpl"
     endpoint = "/v1/completions"
 
-    def __init__(self, request_id: str, model: str, token_text: Callable[[int], str] = str) -> None:
+    def __init__(
+        self, request_id: str, model: str, token_text: Callable[[int], str] = str, echo: Echo | None = None
+    ) -> None:
         self.request_id, self.model, self.created = request_id, model, int(time.time())
         self.token_text = token_text
-        self._offsets: dict[int, int] = {}  # each sample's text length so far in its streamed log-probabilities
+        self.echo = echo
+        self._offsets: dict[int, int] = {}  # each choice's text length so far in its streamed log-probabilities
+        self._echoed: set[int] = set()  # streamed choices whose prompt went out
+        self._prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}  # by prompt, from its first sample
 
-    def logprobs(self, items: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
+    def echoes(self, index: int) -> bool:
+        """Whether choice `index` still has its prompt to stream."""
+        return self.echo is not None and index not in self._echoed
+
+    def _legacy_logprobs(self, entries: Entries | None, index: int) -> dict[str, Any] | None:
         """The legacy completions object: tokens, their log-probabilities, the top ones (the sampled token always
-        among them), and each token's offset in the sample's text."""
-        if items is None:
+        among them), and each token's offset in the choice's text."""
+        if entries is None:
             return None
-        tokens = [self.token_text(item.token_id) for item in items]
+        tokens = [self.token_text(token) for token, _ in entries]
         offsets = []
         for token in tokens:
             offsets.append(self._offsets.get(index, 0))
             self._offsets[index] = offsets[-1] + len(token)
-        top = [{self.token_text(t): lp for t, lp in [*item.top, (item.token_id, item.logprob)]} for item in items]
+        top = [
+            None if item is None else {self.token_text(t): lp for t, lp in [*item.top, (item.token_id, item.logprob)]}
+            for _, item in entries
+        ]
         return {
             "tokens": tokens,
-            "token_logprobs": [item.logprob for item in items],
+            "token_logprobs": [None if item is None else item.logprob for _, item in entries],
             "top_logprobs": top,
             "text_offset": offsets,
         }
+
+    def _with_prompt(
+        self, index: int, text: str, items: list[TokenLogprob] | None, prompt_items: list | None
+    ) -> tuple[str, Entries | None]:
+        """A choice's text and log-probability entries, its prompt's before them under `echo`."""
+        entries = None if items is None else [(item.token_id, item) for item in items]
+        if self.echo is None:
+            return text, entries
+        prompt = index // self.echo.n
+        if prompt_items is not None:
+            self._prompt_logprobs[prompt] = prompt_items
+        if entries is not None:
+            asked = self._prompt_logprobs.get(prompt, [None] * len(self.echo.ids[prompt]))
+            entries = list(zip(self.echo.ids[prompt], asked, strict=True)) + entries
+        return self.echo.texts[prompt] + text, entries
 
     def _wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -75,10 +117,12 @@ class CompletionFormat:
 
     def response(self, samples: list[Sample], use: dict[str, int]) -> dict[str, Any]:
         """The whole answer: one choice per sample, in index order."""
-        choices = [
-            {"index": i, "text": s.text, "logprobs": self.logprobs(s.logprobs, i), "finish_reason": s.finish_reason}
-            for i, s in enumerate(samples)
-        ]
+        choices = []
+        for i, sample in enumerate(samples):
+            first = samples[i - i % self.echo.n] if self.echo else sample  # its prompt's first sample
+            text, entries = self._with_prompt(i, sample.text, sample.logprobs, first.prompt_logprobs)
+            logprobs = self._legacy_logprobs(entries, i)
+            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": sample.finish_reason})
         return self._wrap(choices, usage=use)
 
     def first_chunks(self, n: int) -> list[dict[str, Any]]:
@@ -90,8 +134,14 @@ class CompletionFormat:
         finish_reason: str | None = None,
         index: int = 0,
         logprobs: list[TokenLogprob] | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> dict[str, Any]:
-        choice = {"index": index, "text": text, "logprobs": self.logprobs(logprobs, index)}
+        if self.echoes(index):
+            self._echoed.add(index)
+            text, entries = self._with_prompt(index, text, logprobs, prompt_logprobs)
+        else:
+            entries = None if logprobs is None else [(item.token_id, item) for item in logprobs]
+        choice = {"index": index, "text": text, "logprobs": self._legacy_logprobs(entries, index)}
         return self._wrap([{**choice, "finish_reason": finish_reason}])
 
     def last_chunk(self, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
@@ -151,6 +201,7 @@ class ChatFormat(CompletionFormat):
         finish_reason: str | None = None,
         index: int = 0,
         logprobs: list[TokenLogprob] | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> dict[str, Any]:
         return self._delta({"content": text}, finish_reason, index, logprobs)
 

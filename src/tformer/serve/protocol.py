@@ -1,6 +1,6 @@
 """The OpenAI wire format's request bodies (pydantic, strict types); the answers are in formats.py.
 
-Parameters tformer cannot honour (best_of, echo, suffix, tools) are declared, so that a request using them
+Parameters tformer cannot honour (best_of, suffix, tools) are declared, so that a request using them
 gets a 400 naming the parameter instead of being silently ignored. Unknown fields are
 ignored, as OpenAI's SDKs send new optional fields before servers know them.
 """
@@ -87,6 +87,7 @@ class _GenerationRequest(BaseModel):
             beam_width=self.beam_width,
             length_penalty=self.length_penalty,
             logprobs=self.logprobs_asked(),
+            prompt_logprobs=self.prompt_logprobs_asked(),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -95,6 +96,10 @@ class _GenerationRequest(BaseModel):
 
     def logprobs_asked(self) -> int | None:
         """How many alternatives each token's log-probabilities list, or None when none are asked."""
+        return None
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """The same for the prompt's tokens."""
         return None
 
     @property
@@ -118,6 +123,9 @@ class CompletionRequest(_GenerationRequest):
 
     def logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.logprobs if self.echo else None  # echoed prompts come with their log-probabilities
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or a batch (a list of strings or of token-id lists), answered as one
@@ -184,7 +192,6 @@ def _is(*allowed: object) -> Callable[[object], bool]:
 
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (_is(None, 1), "only best_of=1"),
-    "echo": (_is(False), "the prompt is not echoed back"),
     "suffix": (_is(None), "insertion (suffix) is not supported"),
     "tools": (lambda v: not v, "tool calling is not implemented"),
 }
