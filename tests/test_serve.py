@@ -16,7 +16,7 @@ import time
 import httpx
 import openai
 import pytest
-from serve_helpers import CMPL, NAME, TEXTS, USER, LiveServer, client, metric
+from serve_helpers import CMPL, NAME, TEXTS, USER, LiveServer, assert_openai_error, client, metric
 
 from tformer.errors import ConfigError
 from tformer.inference import Engine, EngineConfig, RequestError, SamplingParams
@@ -167,7 +167,7 @@ def test_logprobs_and_penalties_equal_the_offline_engine(tiny, offline) -> None:
     expected = offline.complete(
         "the cat", max_tokens=8, temperature=0.0, logprobs=2, **{**adjust, "logit_bias": {7: 3.0}}
     )
-    text_of = [offline.tokenizer.decode([item.token_id]) for item in expected.logprobs]
+    text_of = [offline.tokenizer.decode([item.token_id], skip_special_tokens=False) for item in expected.logprobs]
     result = client(tiny).completions.create(
         model=NAME, prompt="the cat", max_tokens=8, temperature=0, logprobs=2, **adjust
     )
@@ -178,7 +178,9 @@ def test_logprobs_and_penalties_equal_the_offline_engine(tiny, offline) -> None:
     assert choice.logprobs.text_offset == [sum(len(t) for t in text_of[:i]) for i in range(len(text_of))]
     for top, item in zip(choice.logprobs.top_logprobs, expected.logprobs, strict=True):
         pairs = [*item.top, (item.token_id, item.logprob)]
-        assert top == pytest.approx({offline.tokenizer.decode([t]): lp for t, lp in pairs}, **close)
+        assert top == pytest.approx(
+            {offline.tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in pairs}, **close
+        )
     chunks = list(
         client(tiny).completions.create(
             model=NAME, prompt="the cat", max_tokens=8, temperature=0, logprobs=2, stream=True, **adjust
@@ -196,7 +198,9 @@ def test_logprobs_and_penalties_equal_the_offline_engine(tiny, offline) -> None:
         model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
     )
     content = answer.choices[0].logprobs.content
-    assert [c.token for c in content] == [offline.tokenizer.decode([i.token_id]) for i in expected.logprobs]
+    assert [c.token for c in content] == [
+        offline.tokenizer.decode([i.token_id], skip_special_tokens=False) for i in expected.logprobs
+    ]
     assert [c.logprob for c in content] == pytest.approx([i.logprob for i in expected.logprobs], **close)
     assert all(c.bytes == list(c.token.encode()) and len(c.top_logprobs) == 3 for c in content)
     tops = [t.logprob for c in content for t in c.top_logprobs]
@@ -224,7 +228,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(tiny, offline) -> 
     for choice, prompt, completion in zip(result.choices, prompts, expected, strict=True):
         assert choice.text == prompt + completion.text
         ids = [*completion.prompt_token_ids, *completion.token_ids]
-        assert choice.logprobs.tokens == [offline.tokenizer.decode([t]) for t in ids]
+        assert choice.logprobs.tokens == [offline.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
         assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
         scored = [*completion.prompt_logprobs[1:], *completion.logprobs]
         assert choice.logprobs.token_logprobs[1:] == pytest.approx([item.logprob for item in scored], **close)
@@ -242,6 +246,35 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(tiny, offline) -> 
     plain = client(tiny).completions.create(model=NAME, prompt="a dog", max_tokens=3, temperature=0, echo=True)
     assert plain.choices[0].text == "a dog" + offline.complete("a dog", max_tokens=3, temperature=0.0).text
     assert plain.choices[0].logprobs is None
+
+
+def test_tokenizer_routes_tokenize_as_the_server_does(tiny, offline) -> None:
+    """vLLM's /tokenize (a prompt, with or without the bos token; chat messages through the template),
+    /detokenize and /tokenizer_info give the server's own tokenizer's answers; a bad body is a 400."""
+    tokenizer = offline.tokenizer
+    answer = httpx.post(f"{tiny.url}/tokenize", json={"prompt": "the cat sat", "return_token_strs": True}).json()
+    assert answer["tokens"] == tokenizer.encode("the cat sat") and answer["count"] == len(answer["tokens"])
+    assert answer["token_strs"] == [tokenizer.decode([t], skip_special_tokens=False) for t in answer["tokens"]]
+    assert answer["max_model_len"] == 64
+    bare = httpx.post(f"{tiny.url}/tokenize", json={"prompt": "the cat", "add_special_tokens": False}).json()
+    assert bare["tokens"] == tokenizer.encode("the cat", add_bos=False)
+    chat = httpx.post(f"{tiny.url}/tokenize", json={"messages": USER}).json()
+    assert chat["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(USER))
+    text = httpx.post(f"{tiny.url}/detokenize", json={"tokens": answer["tokens"]}).json()["prompt"]
+    assert text == tokenizer.decode(answer["tokens"])
+    info = httpx.get(f"{tiny.url}/tokenizer_info").json()
+    assert (info["eos_token"], info["bos_token"], info["chat_template"]) == (
+        tokenizer.eos_token,
+        tokenizer.bos_token,
+        tokenizer.chat_template,
+    )
+    for path, body, param in [
+        ("/tokenize", {"prompt": "a", "messages": USER}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ]:
+        assert_openai_error(httpx.post(f"{tiny.url}{path}", json=body), 400, param)
 
 
 def test_raw_stream_is_openai_sse_ending_with_done(tiny) -> None:

@@ -30,7 +30,8 @@ from tformer.serve.formats import ChatFormat, CompletionFormat, Echo, Sample, ne
 from tformer.serve.metrics import Metrics
 from tformer.serve.middleware import ApiKeyMiddleware, RequestCounter
 from tformer.serve.playground import add_playground
-from tformer.serve.protocol import UNION_FORMS, ChatRequest, CompletionRequest
+from tformer.serve.protocol import UNION_FORMS, ChatMessage, ChatRequest, CompletionRequest
+from tformer.serve.tokenize import add_tokenizer_routes
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -67,24 +68,25 @@ class Server:
             "max_model_len": self.engine.max_model_len,
         }
 
-    def encode(self, text: str, param: str) -> list[int]:
+    def encode(self, text: str, param: str, add_bos: bool | None = None) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids", param=param)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as err:  # JSON's "\ud800" escapes decode to lone surrogates
             raise APIError(400, f"{param} is not valid Unicode ({err.reason} at {err.start})", param=param) from None
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_bos=add_bos)
 
     def token_text(self, token: int | list[int], whole: bool = False) -> str:
         """One token's text, for log-probabilities (a byte-level piece of a character decodes to U+FFFD, as in
-        vLLM), or with `whole` a list of tokens' text; `token_id:<id>` without a tokenizer."""
+        vLLM; a special token reads as itself), or with `whole` a list of tokens' text; `token_id:<id>` without a
+        tokenizer."""
         tokens = token if isinstance(token, list) else [token]
         if self.tokenizer is None:
             return "".join(f"token_id:{t}" for t in tokens)
-        return self.tokenizer.decode(tokens)
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
-    def chat_prompt(self, body: ChatRequest) -> list[int]:
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise APIError(
                 400,
@@ -94,7 +96,7 @@ class Server:
                 param="messages",
             )
         try:
-            text = self.tokenizer.apply_chat_template([m.as_dict() for m in body.messages])
+            text = self.tokenizer.apply_chat_template([m.as_dict() for m in messages], add_generation_prompt)
         except DataError as err:  # e.g. the template's raise_exception("roles must alternate")
             raise APIError(400, str(err), param="messages") from None
         except Exception as err:  # noqa: BLE001 -- the template is the model's code, not ours
@@ -315,7 +317,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         server.check_model(body.model)
         body.check_supported()
-        ids = server.chat_prompt(body)
+        ids = server.chat_prompt(body.messages)
         tokens_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens or max(server.engine.room(len(ids)), 1)
         server.check_fits(len(ids), max_tokens, "messages", tokens_param)
@@ -348,6 +350,7 @@ def create_app(
     install_error_handlers(app, UNION_FORMS)
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
+    add_tokenizer_routes(app, server)
     add_playground(app, server, runs_dir)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
