@@ -243,6 +243,13 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(tiny, offline) -> 
         logprobs[choice.index] += choice.logprobs.token_logprobs if choice.logprobs else []
     assert texts == [c.text for c in result.choices]
     assert logprobs[0][0] is None and logprobs[0][1:] == pytest.approx(result.choices[0].logprobs.token_logprobs[1:])
+    scored = client(tiny).completions.create(model=NAME, prompt=prompts, max_tokens=0, logprobs=1, echo=True)
+    for choice, prompt in zip(scored.choices, prompts, strict=True):
+        assert (choice.text, choice.finish_reason) == (prompt, "length")  # max_tokens 0: the prompt alone
+        assert choice.logprobs.token_logprobs == result.choices[choice.index].logprobs.token_logprobs[:-1]
+    assert scored.usage.completion_tokens == 0
+    streamed = client(tiny).completions.create(model=NAME, prompt="a dog", max_tokens=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == "a dog"
     plain = client(tiny).completions.create(model=NAME, prompt="a dog", max_tokens=3, temperature=0, echo=True)
     assert plain.choices[0].text == "a dog" + offline.complete("a dog", max_tokens=3, temperature=0.0).text
     assert plain.choices[0].logprobs is None

@@ -50,6 +50,7 @@ ERROR_CASES = [
     (CMPL, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     (CMPL, {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),  # OpenAI's legacy limit is 5
     (CMPL, {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
+    (CMPL, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),  # the prompt alone needs echo
     (CMPL, {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     (CMPL, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     (CMPL, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),

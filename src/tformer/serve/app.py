@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -148,6 +149,8 @@ class Server:
         prompt_tokens, choices = sum(len(ids) for ids in prompts), len(prompts) * params.n
         self.metrics.prompt_tokens.inc(prompt_tokens)
         outputs = self._tracked(self.engine.stream_all(added, params.n), fmt.endpoint, started, choices)
+        if fmt.echo is not None and fmt.echo.prompt_only:
+            outputs = _prompt_only(outputs)
         if stream:
             return _EventStream(
                 self._sse(outputs, fmt, prompt_tokens, include_usage, choices, continuous_usage), release
@@ -268,6 +271,16 @@ async def _collect(outputs: AsyncIterator[RequestOutput], n: int) -> tuple[list[
     return samples, generated
 
 
+async def _prompt_only(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """max_tokens 0 with echo: the outputs without the one token the engine generated (nor its log-probability),
+    finished for length."""
+    async with aclosing(outputs):
+        async for out in outputs:
+            reason = "length" if out.finished else None
+            logprobs = None if out.logprobs is None else []
+            yield replace(out, token_ids=[], text="", logprobs=logprobs, finish_reason=reason)
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body is already read, so `receive` waits for that)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -302,15 +315,15 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         server.check_model(body.model)
         body.check_supported()
         prompts = [server.encode(p, "prompt") if isinstance(p, str) else p for p in body.prompts()]
-        max_tokens = body.max_tokens or 16
+        max_tokens = body.tokens_to_generate()
         for ids in prompts:
-            server.check_fits(len(ids), max_tokens, "prompt", "max_tokens")
+            server.check_fits(len(ids), max(max_tokens, 1), "prompt", "max_tokens")
         echo = None
         if body.echo:
             texts = [p if isinstance(p, str) else server.token_text(p, whole=True) for p in body.prompts()]
-            echo = Echo(texts, prompts, body.n)
+            echo = Echo(texts, prompts, body.n, prompt_only=max_tokens == 0)
         fmt = CompletionFormat(new_id(CompletionFormat.id_prefix), server.model_name, server.token_text, echo)
-        params = body.sampling_params(max_tokens)
+        params = body.sampling_params(max(max_tokens, 1))  # the engine generates at least one token
         return await server.run(request, prompts, params, fmt, body.stream, body.include_usage, body.continuous_usage)
 
     @app.post("/v1/chat/completions")

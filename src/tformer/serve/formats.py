@@ -42,6 +42,7 @@ class Echo:
     texts: list[str]
     ids: list[list[int]]
     n: int
+    prompt_only: bool = False  # max_tokens 0: the generated token is left out
 
 
 Entries = list[tuple[int, TokenLogprob | None]]  # (token id, its log-probabilities or None: a first prompt token)

@@ -115,7 +115,7 @@ class CompletionRequest(_GenerationRequest):
     """POST /v1/completions: one prompt, as text or token ids (a batch of one is unwrapped)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 with echo: the prompt alone, scored
     echo: bool = False
     best_of: int | None = None
     logprobs: int | None = Field(None, ge=0, le=5)  # the sampled token's and this many likeliest tokens'
@@ -126,6 +126,12 @@ class CompletionRequest(_GenerationRequest):
 
     def prompt_logprobs_asked(self) -> int | None:
         return self.logprobs if self.echo else None  # echoed prompts come with their log-probabilities
+
+    def tokens_to_generate(self) -> int:
+        """max_tokens (16 when not given); 0 only with echo, which then answers the prompt alone."""
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 answers the prompt alone, so it needs echo: true", param="max_tokens")
+        return 16 if self.max_tokens is None else self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or a batch (a list of strings or of token-id lists), answered as one
