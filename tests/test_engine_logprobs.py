@@ -167,6 +167,15 @@ def test_bad_sampling_adjustments_are_refused(fields, message) -> None:
         SamplingParams(**fields)
 
 
+def test_an_encoder_decoder_refuses_prompt_logprobs() -> None:
+    """Its prompt is the source, which it reads and never predicts: a clear error, and nothing queued."""
+    engine = Engine(make_model(tiny_config("tiny-transformer")), config=EngineConfig(block_size=4))
+    with pytest.raises(RequestError, match="encoder-decoder"):
+        engine.add_request([5, 6, 7], SamplingParams(prompt_logprobs=1))
+    assert not engine.has_unfinished()
+    assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=1))[0].logprobs is not None
+
+
 def test_a_logit_bias_outside_the_vocabulary_is_refused(model) -> None:
     engine = Engine(model, config=EngineConfig(block_size=4))
     with pytest.raises(RequestError, match="logit_bias token ids must be in"):

@@ -142,6 +142,11 @@ class InputProcessor:
             biased = sorted(params.logit_bias)
             raise RequestError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {biased}")
         decoder_prompt, source = self.runner.split_prompt(ids, self.bos_id)
+        if source is not None and params.prompt_logprobs is not None:
+            raise RequestError(
+                "prompt_logprobs score the tokens of a decoder's prompt; an encoder-decoder reads its prompt as the "
+                "source and predicts none of it"
+            )
         # every beam may need its own blocks in the end; a beam group that fits alone can always make progress
         blocks = self.scheduler.max_blocks_held(len(decoder_prompt) + params.max_tokens) * params.beam_width
         pool = self.scheduler.allocator.pool.num_blocks

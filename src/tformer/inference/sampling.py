@@ -214,7 +214,7 @@ class TokenLogprob:
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """The model's log-probability of `token` under its logits (V,) (log-softmax in fp32), and the `top` best."""
     logprobs = torch.log_softmax(logits.float(), -1)
-    best = torch.topk(logprobs, top) if top else None
+    best = torch.topk(logprobs, min(top, logprobs.shape[-1])) if top else None
     pairs = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
     return TokenLogprob(token, float(logprobs[token]), pairs)
 

@@ -21,6 +21,7 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -213,8 +214,9 @@ class AsyncEngine:
         """The outputs of several added requests of `n` samples each (a batch of prompts) as one request's, as they
         come: sample j of request i becomes index i * n + j (OpenAI's choice order). Leaving early aborts them all."""
         if len(request_ids) == 1:
-            async for output in self.stream(request_ids[0]):
-                yield output
+            async with aclosing(self.stream(request_ids[0])) as outputs:
+                async for output in outputs:
+                    yield output
             return
         events: asyncio.Queue = asyncio.Queue()
 
