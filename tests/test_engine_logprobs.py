@@ -75,6 +75,22 @@ def test_prompt_logprobs_are_the_uncached_forwards(model, engine_config) -> None
     assert engine.scheduler.prefix_hit_tokens == 0
 
 
+def test_prompt_logprobs_survive_preemption(model) -> None:
+    """A pool too small for every sequence at once: preempted sequences compute their prompts again, and each
+    request's prompt log-probabilities still come once per position, the uncached forward's."""
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist() for n in (22, 25, 19, 27)]
+    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=24, max_batched_tokens=8))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    results = engine.generate(prompts, params)
+    assert engine.num_preemptions > 0
+    for completion, prompt in zip(results, prompts, strict=True):
+        reference = torch.log_softmax(forward_logits(model, prompt), -1)
+        expected = [float(reference[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+        assert [item.token_id for item in completion.prompt_logprobs[1:]] == prompt[1:]
+        assert [item.logprob for item in completion.prompt_logprobs[1:]] == pytest.approx(expected, abs=1e-5)
+
+
 def penalized_greedy(model: torch.nn.Module, prompt: list[int], n: int, params: SamplingParams) -> list[int]:
     """Greedy decoding on the uncached forward, each step's logits adjusted by the plain formulas."""
     ids = list(prompt)
