@@ -12,7 +12,7 @@ from conftest import make_model, tiny_config
 from helpers import prompts_of_mixed_lengths
 
 from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.sampling import RequestError, SamplingParams
+from tformer.inference.sampling import RequestError, SamplingParams, sampling_probs
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +176,8 @@ def test_a_draft_model_leaves_requests_with_logprobs_or_penalties_to_plain_decod
         (dict(beam_width=2, logprobs=1), "beam search"),
         (dict(beam_width=2, repetition_penalty=1.2), "beam search"),
         (dict(prompt_logprobs=21), "prompt_logprobs"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(max_tokens=4, min_tokens=5), "min_tokens"),
     ],
 )
 def test_bad_sampling_adjustments_are_refused(fields, message) -> None:
@@ -213,3 +215,39 @@ def test_smollm2_scores_john_1_through_prompt_logprobs(smollm2_pretrained) -> No
     reference = torch.log_softmax(forward_logits(model, ids)[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert torch.allclose(scored, reference, atol=1e-4, rtol=0)
     assert float(torch.exp(-scored.mean())) == pytest.approx(float(torch.exp(-reference.mean())), rel=1e-5)
+
+
+def test_min_p_one_keeps_only_the_likeliest_token(model) -> None:
+    """min_p = 1 leaves only the likeliest token at every step: sampling at temperature 1 gives the greedy tokens;
+    `sampling_probs` with min_p 0.3 zeroes exactly the tokens below 0.3 x the largest probability."""
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size)
+    engine = Engine(model, config=EngineConfig(block_size=4))
+    sampled = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=1.0, seed=2, min_p=1.0))
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    assert [r.token_ids for r in sampled] == [r.token_ids for r in greedy]
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 0.5
+    probs = sampling_probs(logits, SamplingParams(temperature=1.0, min_p=0.3))
+    plain = torch.softmax(logits, -1)
+    kept = plain >= 0.3 * plain.max()
+    assert 1 < int(kept.sum()) < 50 and torch.equal(probs > 0, kept)
+    assert torch.allclose(probs[kept], plain[kept] / plain[kept].sum())
+
+
+def test_min_tokens_holds_back_the_stop_tokens(model) -> None:
+    """With the greedy first token as a stop token, the output stops at once; with min_tokens 4 its first 4 tokens
+    are the greedy choices with that token banned, then it may stop."""
+    prompt = prompts_of_mixed_lengths(model.config.vocab_size)[0]
+    first = int(forward_logits(model, prompt)[-1].argmax())
+    engine = Engine(model, config=EngineConfig(block_size=4))
+    stop = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[first])
+    assert engine.generate([prompt], stop)[0].token_ids == [first]
+    held = engine.generate([prompt], SamplingParams(**{**vars(stop), "min_tokens": 4}))[0].token_ids
+    ids = list(prompt)
+    for step in range(len(held)):
+        logits = forward_logits(model, ids)[-1]
+        if step < 4:
+            logits[first] = float("-inf")
+        ids.append(int(logits.argmax()))
+        if ids[-1] == first:
+            break
+    assert held == ids[len(prompt) :] and first not in held[:4]

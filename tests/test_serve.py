@@ -284,6 +284,20 @@ def test_tokenizer_routes_tokenize_as_the_server_does(tiny, offline) -> None:
         assert_openai_error(httpx.post(f"{tiny.url}{path}", json=body), 400, param)
 
 
+def test_vllm_sampling_extensions_reach_the_engine(tiny, offline) -> None:
+    """vLLM's `min_p`, `min_tokens` and `stop_token_ids` give the offline engine's text; min_tokens above
+    max_tokens is a 400."""
+    first = offline.complete("the cat", max_tokens=1, temperature=0.0).token_ids[0]
+    extras = {"min_p": 0.2, "min_tokens": 3, "stop_token_ids": [first]}
+    expected = offline.complete("the cat", max_tokens=8, temperature=0.9, seed=4, **extras)
+    result = client(tiny).completions.create(
+        model=NAME, prompt="the cat", max_tokens=8, temperature=0.9, seed=4, extra_body=extras
+    )
+    assert (result.choices[0].text, result.choices[0].finish_reason) == (expected.text, expected.finish_reason)
+    body = {"model": NAME, "prompt": "the cat", "max_tokens": 2, "min_tokens": 3}
+    assert_openai_error(httpx.post(f"{tiny.url}{CMPL}", json=body), 400)
+
+
 def test_raw_stream_is_openai_sse_ending_with_done(tiny) -> None:
     body = {"model": NAME, "prompt": "the cat", "max_tokens": 3, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{tiny.url}/v1/completions", json=body) as response:

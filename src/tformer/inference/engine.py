@@ -256,7 +256,8 @@ class Engine:
         for member in members:
             params, chosen_from = member.params, logits
             if params.adjusts_logits:  # its own penalties and bias: the batch's argmax does not serve it
-                chosen_from = adjust_logits(logits, params, member.tokens_between(0, member.length), member.output)
+                context, ends = member.tokens_between(0, member.length), self.outputs.eos_ids
+                chosen_from = adjust_logits(logits, params, context, member.output, ends)
             greedy = params.greedy and best is not None and chosen_from is logits
             token = best if greedy else sample_token(chosen_from, params, member.generator)
             member.output.append(token)

@@ -8,6 +8,7 @@ depend on which other requests share its batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +32,9 @@ class SamplingParams:
     Before a token is chosen, its logits are adjusted as vLLM and OpenAI do (`adjust_logits`): `repetition_penalty`
     (> 1 discourages every token already in the prompt or output: a positive logit is divided by it, a negative
     one multiplied), then `frequency_penalty` times each token's count in the output and `presence_penalty` once
-    for each token the output holds are subtracted, then `logit_bias` {token id: value} is added. With `logprobs`
+    for each token the output holds are subtracted, then `logit_bias` {token id: value} is added; before
+    `min_tokens` tokens the stop tokens and end-of-sequence cannot be chosen. `min_p` keeps, after temperature,
+    top-k and top-p, only the tokens at least min_p times as likely as the likeliest. With `logprobs`
     = k, each generated token comes back with its log-probability and the k likeliest alternatives', from the
     model's distribution (log-softmax of the raw logits, as vLLM's default; temperature and penalties excluded);
     with `prompt_logprobs` = k, each prompt token after the first too (the prompt is then computed whole, without
@@ -59,6 +62,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (llama.cpp's and vLLM's; 0: off)
+    min_tokens: int = 0  # no end-of-sequence or stop token before this many tokens (vLLM's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +94,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and -2.0 <= value <= 2.0):
                 raise RequestError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
+            raise RequestError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
+            limit = f"[0, max_tokens={self.max_tokens}]"
+            raise RequestError(f"min_tokens must be an integer in {limit}, got {self.min_tokens!r}")
         penalty = self.repetition_penalty
         if not (isinstance(penalty, (int, float)) and math.isfinite(penalty) and penalty > 0):
             raise RequestError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {penalty!r}")
@@ -101,7 +111,8 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether a penalty or a logit bias changes this request's logits before it chooses."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
+        penalized = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+        return bool(penalized or self.logit_bias or self.min_tokens)
 
     def _check_beam_search(self) -> None:
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
@@ -116,8 +127,8 @@ class SamplingParams:
         asks_logprobs = self.logprobs is not None or self.prompt_logprobs is not None
         if self.beam_width > 1 and (self.adjusts_logits or asks_logprobs):
             raise RequestError(
-                "beam search ranks hypotheses by the model's own log-probabilities: give no penalties, logit_bias "
-                "or logprobs with beam_width > 1"
+                "beam search ranks hypotheses by the model's own log-probabilities: give no penalties, logit_bias, "
+                "min_tokens or logprobs with beam_width > 1"
             )
 
     @property
@@ -144,11 +155,16 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a request samples from: softmax(filter(logits / T)); one-hot at the argmax if greedy."""
+    """The distribution a request samples from: softmax(filter(logits / T)), then with `min_p` only the tokens at
+    least min_p times as likely as the likeliest, renormalized; one-hot at the argmax if greedy."""
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
     scaled = logits.float() / params.temperature
-    return torch.softmax(filter_logits(scaled, params.top_k, params.top_p), -1)
+    probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), -1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 # torch's CPU argmax walks a row one element at a time: 96 us for SmolLM2's 49,152 logits at one row and 2.3 ms at
@@ -186,10 +202,16 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def adjust_logits(logits: torch.Tensor, params: SamplingParams, context: list[int], output: list[int]) -> torch.Tensor:
+def adjust_logits(
+    logits: torch.Tensor, params: SamplingParams, context: list[int], output: list[int], ends: Iterable[int] = ()
+) -> torch.Tensor:
     """A request's logits (V,) after its penalties and logit bias (see `SamplingParams`); `context` is every token
-    so far (prompt and output), `output` the generated ones. The input is left as it was."""
+    so far (prompt and output), `output` the generated ones. Before `min_tokens` tokens, the stop tokens and the
+    end-of-sequence ids `ends` cannot be chosen. The input is left as it was."""
     logits = logits.float().clone()
+    if len(output) < params.min_tokens:
+        banned = sorted({*params.stop_token_ids, *([] if params.ignore_eos else ends)})
+        logits[torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")
     if params.repetition_penalty != 1:
         seen = torch.tensor(sorted(set(context)), dtype=torch.long, device=logits.device)
         values = logits[seen]

@@ -57,6 +57,9 @@ class _GenerationRequest(BaseModel):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # an extension (vLLM's); 1 disables it
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)  # an extension (vLLM's, llama.cpp's); 0: off
+    min_tokens: int = Field(0, ge=0)  # an extension (vLLM's): no end-of-sequence or stop token before this many
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None  # vLLM's
     logit_bias: dict[str, Bias] | None = None  # {token id as a string: a bias added to its logit}
     user: str | None = None
 
@@ -92,6 +95,9 @@ class _GenerationRequest(BaseModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=bias,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            stop_token_ids=list(self.stop_token_ids or []),
         )
 
     def logprobs_asked(self) -> int | None:
