@@ -101,8 +101,18 @@ def test_generate_streams_what_the_engine_generates(tmp_path, capsys):
     expected = Engine(model, tokenizer).generate("the cat", SamplingParams(max_tokens=6, temperature=0.0))[0].text
     assert main(["generate", "the cat", "--model", str(tmp_path), "--max-tokens", "6", "--no-chat"]) == 0
     assert capsys.readouterr().out == expected + "\n"
+    # 40 tokens: this model repeats itself after 33, which the penalties then change
+    plain = Engine(model, tokenizer).generate("the cat", SamplingParams(max_tokens=40, temperature=0.0))[0].text
+    penalized = SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.8, frequency_penalty=1.0)
+    penalized_text = Engine(model, tokenizer).generate("the cat", penalized)[0].text
+    assert penalized_text != plain  # the flags change the text, so passing them through is what is tested
+    flags = ["--max-tokens", "40", "--no-chat", "--repetition-penalty", "1.8", "--frequency-penalty", "1"]
+    assert main(["generate", "the cat", "--model", str(tmp_path), *flags]) == 0
+    assert capsys.readouterr().out == penalized_text + "\n"
     assert main(["generate", "the cat", "--model", str(tmp_path), "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
+    assert main(["generate", "the cat", "--model", str(tmp_path), "--min-p", "2"]) == 2
+    assert "min_p must be in [0, 1]" in capsys.readouterr().err
     assert main(["generate", "x", "--model", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     # speculative decoding with an INT8 copy of the model as its draft gives the model's own greedy text

@@ -25,6 +25,10 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
     seed: int | None = None,
     chat: bool = True,
     quantize: str | None = None,
@@ -40,6 +44,10 @@ def generate(
     model: a .gguf file, a tformer checkpoint directory or a Hugging Face model directory
     prompts: the prompts; none means read stdin
     temperature: 0 is greedy
+    min_p: keep only tokens at least this times as likely as the likeliest (llama.cpp's --min-p; 0 disables it)
+    repetition_penalty: > 1 discourages every token already in the prompt or output (llama.cpp's --repeat-penalty)
+    presence_penalty: subtracted once from each token the output holds (-2..2)
+    frequency_penalty: subtracted per occurrence of each token in the output (-2..2)
     chat: wrap each prompt as a user message with the tokenizer's chat template, when it has one
     quantize: int8 or int4 (integer weights; activations rounded finely, in two int8 steps) or w8a8 (weights and
       activations in one int8 step, x86) for the linear layers (default: none)
@@ -62,7 +70,17 @@ def generate(
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise CheckpointError(f"{model} has no tokenizer.json; `tformer generate` needs one to read text prompts")
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        seed=seed,
+    )
     for prompt in prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]:
         if chat and tokenizer.chat_template:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
