@@ -296,6 +296,8 @@ def test_vllm_sampling_extensions_reach_the_engine(tiny, offline) -> None:
     assert (result.choices[0].text, result.choices[0].finish_reason) == (expected.text, expected.finish_reason)
     body = {"model": NAME, "prompt": "the cat", "max_tokens": 2, "min_tokens": 3}
     assert_openai_error(httpx.post(f"{tiny.url}{CMPL}", json=body), 400)
+    plain_text = {"messages": USER, "max_tokens": 2, "response_format": {"type": "text"}, "tool_choice": "none"}
+    assert httpx.post(f"{tiny.url}/v1/chat/completions", json=plain_text).status_code == 200
 
 
 def test_raw_stream_is_openai_sse_ending_with_done(tiny) -> None:

@@ -179,6 +179,9 @@ class ChatRequest(_GenerationRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # the older name of tools
+    response_format: dict[str, Any] | None = None  # {"type": "text"} only: no constrained decoding
 
     def logprobs_asked(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -206,4 +209,10 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (_is(None, 1), "only best_of=1"),
     "suffix": (_is(None), "insertion (suffix) is not supported"),
     "tools": (lambda v: not v, "tool calling is not implemented"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not implemented"),
+    "functions": (lambda v: not v, "function calling is not implemented"),
+    "response_format": (
+        lambda v: v is None or v == {"type": "text"},
+        'only {"type": "text"}: JSON mode and JSON schemas (constrained decoding) are not implemented',
+    ),
 }
