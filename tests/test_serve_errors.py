@@ -73,6 +73,7 @@ ERROR_CASES = [
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
     (CHAT, {"messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
+    (CHAT, {"messages": USER, "modalities": ["text", "audio"]}, 400, "modalities"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (CHAT, {"messages": USER, "model": "other"}, 404, "model"),
     (CHAT, {"messages": USER, "max_completion_tokens": 500}, 400, "max_completion_tokens"),

@@ -181,6 +181,9 @@ class ChatRequest(_GenerationRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None  # the older name of tools
+    function_call: str | dict[str, Any] | None = None  # the older name of tool_choice
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None  # {"type": "text"} only: no constrained decoding
 
     def logprobs_asked(self) -> int | None:
@@ -211,6 +214,9 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tools": (lambda v: not v, "tool calling is not implemented"),
     "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not implemented"),
     "functions": (lambda v: not v, "function calling is not implemented"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "function calling is not implemented"),
+    "modalities": (lambda v: v is None or v == ["text"], 'only ["text"]: the model reads and writes text'),
+    "audio": (_is(None), "audio output is not supported"),
     "response_format": (
         lambda v: v is None or v == {"type": "text"},
         'only {"type": "text"}: JSON mode and JSON schemas (constrained decoding) are not implemented',
