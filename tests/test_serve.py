@@ -250,6 +250,19 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(tiny, offline) -> 
     assert scored.usage.completion_tokens == 0
     streamed = client(tiny).completions.create(model=NAME, prompt="a dog", max_tokens=0, echo=True, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == "a dog"
+    for stream in (False, True):  # n = 2: both samples of a prompt carry its log-probabilities
+        answer = client(tiny).completions.create(
+            model=NAME, prompt="a dog", max_tokens=2, temperature=1.0, seed=3, n=2, logprobs=1, echo=True, stream=stream
+        )
+        by_choice = [[], []]
+        for part in answer if stream else [answer]:
+            for choice in part.choices:
+                by_choice[choice.index] += choice.logprobs.token_logprobs if choice.logprobs else []
+        prompt_length = len(offline.tokenizer.encode("a dog"))
+        assert by_choice[0][:prompt_length] == by_choice[1][:prompt_length] and by_choice[0][0] is None
+        assert by_choice[0][1:prompt_length] == pytest.approx(
+            result.choices[1].logprobs.token_logprobs[1:prompt_length]
+        )
     plain = client(tiny).completions.create(model=NAME, prompt="a dog", max_tokens=3, temperature=0, echo=True)
     assert plain.choices[0].text == "a dog" + offline.complete("a dog", max_tokens=3, temperature=0.0).text
     assert plain.choices[0].logprobs is None
