@@ -59,6 +59,7 @@ ERROR_CASES = [
     (CMPL, {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
     (CMPL, {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     (CMPL, {"prompt": "hi", "logit_bias": {"the": 5}}, 400, "logit_bias"),  # keys are token ids
+    (CMPL, {"prompt": "hi", "logit_bias": {"\u00b2": 5}}, 400, "logit_bias"),  # a digit int() reads, not an id
     (CMPL, {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     (CMPL, {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, None),  # outside the vocabulary
     (CMPL, {"prompt": "hi", "beam_width": 3, "logprobs": 1}, 400, None),  # beams rank by the model's own scores

@@ -1,7 +1,7 @@
 """The OpenAI wire format's request bodies (pydantic, strict types); the answers are in formats.py.
 
-Parameters tformer cannot honour (best_of, suffix, tools) are declared, so that a request using them
-gets a 400 naming the parameter instead of being silently ignored. Unknown fields are
+Parameters tformer cannot honour (best_of, suffix, tools and function calls, JSON mode, audio) are declared, so
+that a request using them gets a 400 naming the parameter instead of being silently ignored. Unknown fields are
 ignored, as OpenAI's SDKs send new optional fields before servers know them.
 """
 
@@ -75,7 +75,7 @@ class _GenerationRequest(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = {}
         for token, value in (self.logit_bias or {}).items():
-            if not token.isdigit():
+            if not (token.isascii() and token.isdigit()):  # int() also reads digits like '²' and '٣'
                 raise APIError(400, f"logit_bias keys are token ids, got {token!r}", param="logit_bias")
             bias[int(token)] = value
         return SamplingParams(
