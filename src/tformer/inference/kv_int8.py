@@ -17,6 +17,7 @@ import torch
 from tformer.inference import native
 
 INT8_LEVELS = 127  # a key's or value's int8 numbers are round(x / scale), scale = largest |x| / 127
+SCALE_BYTES = 4  # each vector's scale is a float32
 
 UNAVAILABLE = "the int8 KV cache's kernel is unavailable: its writes and reads run torch's ops"
 kernel, available, _ = native.op_library("kv_int8", UNAVAILABLE, switch="TFORMER_KV_INT8_KERNEL")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tformer.inference.blocks import BlockCopy
-from tformer.inference.kv_int8 import dequantize_int8, quantize_int8, read_rounded, store_rounded
+from tformer.inference.kv_int8 import SCALE_BYTES, dequantize_int8, quantize_int8, read_rounded, store_rounded
 from tformer.inference.paged_attention import paged_decode_attention, supports
 from tformer.layers.kv_cache import zeroed
 from tformer.models import TransformerModel
@@ -274,7 +274,7 @@ def kv_bytes_per_token(model: TransformerModel, kv_cache_dtype: str = "auto") ->
     """Bytes of keys and values one token takes in the decoder's cache, every layer (with int8, their scales too)."""
     mc = model.config
     element = model.decoder.tokens.weight.element_size()  # the embedding stays in floating point when quantized
-    per_head = mc.head_dim + 4 if kv_cache_dtype == "int8" else mc.head_dim * element  # int8 numbers and a scale
+    per_head = mc.head_dim + SCALE_BYTES if kv_cache_dtype == "int8" else mc.head_dim * element  # numbers, scale
     return mc.n_kv_heads * per_head * 2 * mc.n_decoder_layers
 
 

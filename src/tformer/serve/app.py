@@ -314,13 +314,14 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         body.check_supported()
-        prompts = [server.encode(p, "prompt") if isinstance(p, str) else p for p in body.prompts()]
+        given = body.prompts()
+        prompts = [server.encode(p, "prompt") if isinstance(p, str) else p for p in given]
         max_tokens = body.tokens_to_generate()
         for ids in prompts:
             server.check_fits(len(ids), max(max_tokens, 1), "prompt", "max_tokens")
         echo = None
         if body.echo:
-            texts = [p if isinstance(p, str) else server.token_text(p, whole=True) for p in body.prompts()]
+            texts = [p if isinstance(p, str) else server.token_text(p, whole=True) for p in given]
             echo = Echo(texts, prompts, body.n, prompt_only=max_tokens == 0)
         fmt = CompletionFormat(new_id(CompletionFormat.id_prefix), server.model_name, server.token_text, echo)
         params = body.sampling_params(max(max_tokens, 1))  # the engine generates at least one token

@@ -63,7 +63,7 @@ class CompletionFormat:
         self.token_text = token_text
         self.echo = echo
         self._offsets: dict[int, int] = {}  # each choice's text length so far in its streamed log-probabilities
-        self._echoed: set[int] = set()  # streamed choices whose prompt went out
+        self._echoed: set[int] = set()  # choices whose prompt went out
         self._prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}  # by prompt, from its first sample
 
     def echoes(self, index: int) -> bool:
@@ -94,10 +94,12 @@ class CompletionFormat:
     def _with_prompt(
         self, index: int, text: str, items: list[TokenLogprob] | None, prompt_items: list | None
     ) -> tuple[str, Entries | None]:
-        """A choice's text and log-probability entries, its prompt's before them under `echo`."""
+        """A choice's text and log-probability entries, under `echo` its prompt's before them the first time the
+        choice goes out (a stream's later chunks carry only their own)."""
         entries = None if items is None else [(item.token_id, item) for item in items]
-        if self.echo is None:
+        if self.echo is None or index in self._echoed:
             return text, entries
+        self._echoed.add(index)
         prompt = index // self.echo.n
         if prompt_items is not None:
             self._prompt_logprobs[prompt] = prompt_items
@@ -137,11 +139,7 @@ class CompletionFormat:
         logprobs: list[TokenLogprob] | None = None,
         prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> dict[str, Any]:
-        if self.echoes(index):
-            self._echoed.add(index)
-            text, entries = self._with_prompt(index, text, logprobs, prompt_logprobs)
-        else:
-            entries = None if logprobs is None else [(item.token_id, item) for item in logprobs]
+        text, entries = self._with_prompt(index, text, logprobs, prompt_logprobs)
         choice = {"index": index, "text": text, "logprobs": self._legacy_logprobs(entries, index)}
         return self._wrap([{**choice, "finish_reason": finish_reason}])
 
