@@ -5,6 +5,7 @@ from tformer.inference.outputs import Completion, RequestOutput
 from tformer.inference.requests import ContextLengthError
 from tformer.inference.sampling import RequestError, SamplingParams
 from tformer.inference.search import beam_search, beam_search_decoder, greedy_search, length_penalty, translate_ids
+from tformer.inference.structured import StructuredOutput
 
 __all__ = [
     "Completion",
@@ -14,6 +15,7 @@ __all__ = [
     "RequestError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
     "beam_search",
     "beam_search_decoder",
     "greedy_search",

@@ -120,10 +120,10 @@ class Engine:
             max_model_len=self.max_model_len,
             window=model.config.sliding_window,
         )
-        self.inputs = InputProcessor(
-            self.runner, tokenizer, model.config.vocab_size, self.max_model_len, self.scheduler
-        )
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
+        self.inputs = InputProcessor(
+            self.runner, tokenizer, model.config.vocab_size, self.max_model_len, self.scheduler, self.outputs.eos_ids
+        )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
@@ -258,9 +258,13 @@ class Engine:
             if params.adjusts_logits:  # its own penalties and bias: the batch's argmax does not serve it
                 context, ends = member.tokens_between(0, member.length), self.outputs.eos_ids
                 chosen_from = adjust_logits(logits, params, context, member.output, ends)
+            if member.constraint is not None:  # a structured output: only the tokens that keep it valid
+                chosen_from = member.constraint.mask(chosen_from, logits)
             greedy = params.greedy and best is not None and chosen_from is logits
             token = best if greedy else sample_token(chosen_from, params, member.generator)
             member.output.append(token)
+            if member.constraint is not None:
+                member.constraint.advance(token)
             logprob = None if params.logprobs is None else token_logprob(logits, token, params.logprobs)
             outputs.append(self._emit(member, logprob))
         return outputs

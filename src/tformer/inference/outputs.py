@@ -56,7 +56,8 @@ class OutputProcessor:
 
     Each sample of a request has its own text so far (`TextTracker`), keyed by (request_id, index). A sample
     stops at a stop token or the end-of-sequence token (unless `ignore_eos`), at a stop string (cut from the
-    text), at `max_tokens`, or when it fills the context; the engine then ends the sequence in the scheduler.
+    text), when its structured output is complete, at `max_tokens`, or when it fills the context; the engine then
+    ends the sequence in the scheduler.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, max_model_len: int) -> None:
@@ -86,6 +87,8 @@ class OutputProcessor:
         text, hit_stop = tracker.push(seq.output, stop_token=reason is not None)
         if hit_stop:
             reason = "stop"
+        elif reason is None and seq.constraint is not None and seq.constraint.finished:
+            reason = "stop"  # the structured output is complete: it admits nothing more
         elif reason is None and (len(seq.output) >= params.max_tokens or seq.length >= self.max_model_len):
             reason = "length"
         if reason is not None and not hit_stop:

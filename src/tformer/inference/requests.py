@@ -8,6 +8,7 @@ sequence with its family's decoder prompt. `Request` keeps the books of one requ
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from tformer.inference.blocks import BlockAllocator
 from tformer.inference.runner import ModelRunner
 from tformer.inference.sampling import SamplingParams, TokenLogprob, make_generator, token_logprob
 from tformer.inference.scheduler import Scheduler, Sequence, Status
+from tformer.inference.structured import GrammarCompiler
 from tformer.inference.text import Tokenizer
 
 
@@ -83,6 +85,7 @@ class Request:
                     encoder_state=parent.encoder_state,
                     index=i,
                     block_hashes=list(parent.block_hashes),
+                    constraint=None if parent.constraint is None else parent.constraint.copy(),
                 )
             )
         self.samples += children
@@ -90,7 +93,8 @@ class Request:
 
 
 class InputProcessor:
-    """Prompts in: tokenization, validation, the context-length rule and the request's first sequence."""
+    """Prompts in: tokenization, validation, the context-length rule and the request's first sequence (with its
+    structured output's `Constraint`; `ends` are the end-of-sequence ids a constraint allows once complete)."""
 
     def __init__(
         self,
@@ -99,6 +103,7 @@ class InputProcessor:
         vocab_size: int,
         max_model_len: int,
         scheduler: Scheduler,
+        ends: Iterable[int] = (),
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -107,6 +112,7 @@ class InputProcessor:
         self.scheduler = scheduler
         bos = getattr(tokenizer, "bos_id", None)
         self.bos_id = 1 if bos is None else bos
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, ends)
 
     def room(self, prompt_len: int) -> int:
         """How many tokens a prompt of prompt_len tokens leaves in the context (the longest max_tokens)."""
@@ -153,7 +159,8 @@ class InputProcessor:
         if blocks > pool:
             raise RequestError(f"the request needs {blocks} KV blocks; the pool has {pool}")
         generator = None if params.greedy else make_generator(params.seed)
-        return Sequence(request_id, decoder_prompt, params, generator, source=source)
+        constraint = None if params.structured is None else self.grammars.constraint(params.structured)
+        return Sequence(request_id, decoder_prompt, params, generator, source=source, constraint=constraint)
 
     def encode(self, prompt: str | Seq[int]) -> list[int]:
         """The prompt's token ids, checked against the vocabulary."""

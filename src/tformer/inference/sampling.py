@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tformer.errors import RequestError
+from tformer.inference.structured import StructuredOutput
 
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # alternatives a token's log-probabilities may list (OpenAI's top_logprobs limit)
@@ -38,7 +39,8 @@ class SamplingParams:
     = k, each generated token comes back with its log-probability and the k likeliest alternatives', from the
     model's distribution (log-softmax of the raw logits, as vLLM's default; temperature and penalties excluded);
     with `prompt_logprobs` = k, each prompt token after the first too (the prompt is then computed whole, without
-    prefix-cache hits).
+    prefix-cache hits). With `structured` (a `StructuredOutput`, or a dict of its fields), only tokens that keep
+    the text valid under its JSON schema, regular expression, choice or grammar can be chosen (structured.py).
 
     `beam_width` > 1 asks for beam search instead: the request returns its best hypothesis, ranked by summed
     log-probability over GNMT's length penalty ((5 + |y|) / 6) ** `length_penalty`; temperature, top_k, top_p
@@ -64,6 +66,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (llama.cpp's and vLLM's; 0: off)
     min_tokens: int = 0  # no end-of-sequence or stop token before this many tokens (vLLM's)
+    structured: StructuredOutput | None = None  # JSON schema, regex, choice or grammar the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,7 +86,17 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         self._check_adjustments()
+        self._check_structured()
         self._check_beam_search()
+
+    def _check_structured(self) -> None:
+        if isinstance(self.structured, dict):
+            try:
+                self.structured = StructuredOutput(**self.structured)
+            except TypeError as err:
+                raise RequestError(f"structured takes json, json_object, regex, choice or grammar: {err}") from None
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise RequestError(f"structured must be a StructuredOutput or a dict, got {type(self.structured)}")
 
     def _check_adjustments(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -125,10 +138,10 @@ class SamplingParams:
                 "leave n at 1 and give no stop strings or stop_token_ids with beam_width > 1"
             )
         asks_logprobs = self.logprobs is not None or self.prompt_logprobs is not None
-        if self.beam_width > 1 and (self.adjusts_logits or asks_logprobs):
+        if self.beam_width > 1 and (self.adjusts_logits or asks_logprobs or self.structured is not None):
             raise RequestError(
                 "beam search ranks hypotheses by the model's own log-probabilities: give no penalties, logit_bias, "
-                "min_tokens or logprobs with beam_width > 1"
+                "min_tokens, logprobs or structured output with beam_width > 1"
             )
 
     @property

@@ -27,6 +27,7 @@ import torch
 
 from tformer.inference.blocks import BlockAllocator, BlockCopy, BlockHash
 from tformer.inference.sampling import SamplingParams
+from tformer.inference.structured import Constraint
 
 
 class Status(Enum):
@@ -57,6 +58,7 @@ class Sequence:
     encoder_state: object = None  # encoder-decoder models: the source's cross-attention keys and values
     index: int = 0  # which of the request's `n` samples this is
     block_hashes: list[BlockHash] = field(default_factory=list)  # prefix-cache keys of its published blocks
+    constraint: Constraint | None = None  # structured outputs: which tokens may come next (structured.py)
 
     @property
     def tokens(self) -> list[int]:
@@ -143,13 +145,13 @@ class Scheduler:
 
     def draft_length(self, seq: Sequence) -> int:
         """Draft tokens the next step of `seq` may verify: none for a prompt, a beam, a request with penalties, a
-        logit bias or logprobs, or without a draft, and never more than its max_tokens or the context leave room
-        for."""
+        logit bias, logprobs or a structured output, or without a draft, and never more than its max_tokens or the
+        context leave room for."""
         params = seq.params
         if not self.lookahead or seq.n_pending != 1 or not seq.output or params.beam_width > 1:
             return 0
-        if params.adjusts_logits or params.logprobs is not None:  # verified drafts would need both per position
-            return 0
+        if params.adjusts_logits or params.logprobs is not None or params.structured is not None:
+            return 0  # verified drafts would need the adjustments, log-probabilities or masks per position
         room = seq.params.max_tokens - len(seq.output) - 1
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - seq.length)

@@ -1,0 +1,187 @@
+"""Structured outputs: a request's text held to a JSON schema, any JSON object, a regular expression, one of a
+fixed list of strings, or a grammar (Lark, or llama.cpp's GBNF), as vLLM's `structured_outputs` and llama.cpp's
+`--grammar` / `--json-schema` do.
+
+llguidance (the library behind vLLM's "guidance" backend) compiles the constraint. Before each token of such a
+request, its `Constraint` asks llguidance which tokens keep the text a prefix of some string the constraint
+accepts (a bitmask over the vocabulary, computed from the tokenizer's token trie, typically 10-100 us; nothing is
+built per schema up front), and every other token's logit becomes -inf; then the request samples as it would
+(penalties, temperature, top-k/top-p, min_p). End-of-sequence is allowed only once the text is complete, and the
+sample ends ("stop") as soon as the constraint admits nothing more.
+
+llguidance is imported on first use, so that processes which never constrain output do not pay for it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from tformer.errors import RequestError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MASK_BITS = 32  # llguidance's bitmask: one int32 word for every 32 tokens
+MAX_GRAMMARS = 256  # compiled grammars a compiler keeps
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match: exactly one of `json` (a JSON schema, as a dict or its JSON text),
+    `json_object` (any JSON object), `regex` (Rust's regex syntax, matched whole; `\\d` is an ASCII digit),
+    `choice` (one of these strings)
+    or `grammar` (a Lark grammar, or a GBNF one as llama.cpp's `--grammar` takes)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            named = ", ".join(given) or "none"
+            raise RequestError(f"a structured output takes exactly one of {', '.join(KINDS)}; got {named}")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise RequestError(f"json must be a JSON schema (an object or its JSON text), got {type(self.json)}")
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise RequestError(f"{kind} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise RequestError(f"choice must be a non-empty list of non-empty strings, got {list(self.choice)!r}")
+
+    def key(self) -> str:
+        """The constraint as one string (equal constraints, equal keys): what the grammar cache is keyed by."""
+        kind = next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+        value = getattr(self, kind)
+        text = json.dumps(value, sort_keys=True) if kind in ("json", "choice") and not isinstance(value, str) else value
+        return f"{kind}:{text}"
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:  # pragma: no cover - a dependency of tformer; only a broken environment lacks it
+        raise RequestError("structured outputs need the llguidance package: pip install llguidance") from None
+    return llguidance
+
+
+def grammar_text(spec: StructuredOutput) -> str:
+    """llguidance's grammar for a constraint; RequestError with llguidance's reason when it does not compile."""
+    llg = _llguidance()
+    try:
+        if spec.json is not None:
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            return llg.LLMatcher.grammar_from_json_schema(schema)
+        if spec.json_object:
+            return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+        if spec.regex is not None:  # \d as [0-9]: Rust's \d is any Unicode digit (U+1FBF8 too)
+            return llg.LLMatcher.grammar_from_regex(llg.regex_to_lark(spec.regex, "d"))
+        if spec.choice is not None:
+            return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+        return llg.grammar_from("grammar", spec.grammar)
+    except (ValueError, TypeError) as err:
+        raise RequestError(f"the structured output does not compile: {err}") from None
+
+
+class GrammarCompiler:
+    """One tokenizer's constraints: llguidance's view of the vocabulary, built on first use (about 0.25 s for
+    SmolLM2's 49,152 tokens), and the grammars compiled so far (validated once, by their `key`)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self._lock = threading.Lock()  # the server checks requests on its event loop, the engine steps elsewhere
+        self._llg_tokenizer: Any = None
+        self._grammars: dict[str, str] = {}  # key -> compiled grammar, the oldest dropped past MAX_GRAMMARS
+
+    def _vocabulary(self) -> Any:
+        with self._lock:
+            if self._llg_tokenizer is None:
+                backend = getattr(self.tokenizer, "backend", None)
+                if backend is None or not self.eos_ids:
+                    raise RequestError(
+                        "structured outputs need the model's tokenizer (a Hugging Face `tokenizers` one) and its "
+                        "end-of-sequence token; this engine has neither"
+                    )
+                llg = _llguidance()
+                self._llg_tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_ids)
+            return self._llg_tokenizer
+
+    def _grammar(self, spec: StructuredOutput) -> str:
+        key = spec.key()
+        if key not in self._grammars:
+            grammar = grammar_text(spec)
+            error = _llguidance().LLMatcher.validate_grammar(grammar, self._vocabulary())
+            if error and not error.startswith("WARNING"):
+                raise RequestError(f"the structured output does not compile: {error}")
+            if len(self._grammars) >= MAX_GRAMMARS:
+                self._grammars.pop(next(iter(self._grammars)))
+            self._grammars[key] = grammar
+        return self._grammars[key]
+
+    def constraint(self, spec: StructuredOutput) -> Constraint:
+        """A fresh `Constraint` for one sample (RequestError when the constraint does not compile)."""
+        grammar = self._grammar(spec)
+        matcher = _llguidance().LLMatcher(self._vocabulary(), grammar, log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"the structured output does not compile: {matcher.get_error()}")
+        return Constraint(matcher, self.vocab_size)
+
+
+class Constraint:
+    """One sample's place in its constraint: which tokens may come next, and the tokens chosen so far."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self._words = torch.zeros(-(-vocab_size // MASK_BITS), dtype=torch.int32)
+
+    def copy(self) -> Constraint:
+        """An independent copy in the same state (a request's n samples each follow their own)."""
+        return Constraint(self.matcher.deep_copy(), self.vocab_size)
+
+    def allowed(self) -> torch.Tensor:
+        """(V,) bool: the tokens that keep the output valid (end-of-sequence only where it may end)."""
+        words = self._words
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+        bits = words.unsqueeze(-1) >> _shifts() & 1  # (words, 32): bit j of word w is token 32 w + j
+        return bits.flatten()[: self.vocab_size].bool()
+
+    def mask(self, logits: torch.Tensor, unadjusted: torch.Tensor) -> torch.Tensor:
+        """`logits` (V,) with every token the constraint refuses at -inf. Should nothing be left (min_tokens
+        banned the end-of-sequence the constraint now needs), the constraint wins over the request's adjustments:
+        the `unadjusted` logits, masked."""
+        allowed = self.allowed().to(logits.device)
+        masked = logits.float().masked_fill(~allowed, float("-inf"))
+        if bool(masked.isneginf().all()):
+            masked = unadjusted.float().masked_fill(~allowed, float("-inf"))
+        return masked
+
+    def advance(self, token: int) -> bool:
+        """Takes the chosen token; False when the constraint refuses it (its state is then an error)."""
+        return bool(self.matcher.consume_token(token))
+
+    @property
+    def finished(self) -> bool:
+        """Whether the output is complete and nothing may follow (or the constraint failed)."""
+        return bool(self.matcher.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error() if self.matcher.is_error() else ""
+
+
+@lru_cache(maxsize=1)
+def _shifts() -> torch.Tensor:
+    return torch.arange(MASK_BITS, dtype=torch.int32)
