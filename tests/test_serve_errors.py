@@ -72,7 +72,7 @@ ERROR_CASES = [
     (CHAT, {"messages": "hi"}, 400, "messages"),
     (CHAT, {"messages": USER, "n": "3"}, 400, "n"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
-    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CHAT, {"messages": USER, "response_format": {"type": "xml"}}, 400, "response_format"),
     (CHAT, {"messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
     (CHAT, {"messages": USER, "modalities": ["text", "audio"]}, 400, "modalities"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),

@@ -87,7 +87,9 @@ class Server:
             return "".join(f"token_id:{t}" for t in tokens)
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise APIError(
                 400,
@@ -97,7 +99,10 @@ class Server:
                 param="messages",
             )
         try:
-            text = self.tokenizer.apply_chat_template([m.as_dict() for m in messages], add_generation_prompt)
+            variables = {} if tools is None else {"tools": tools}
+            text = self.tokenizer.apply_chat_template(
+                [m.as_dict() for m in messages], add_generation_prompt, **variables
+            )
         except DataError as err:  # e.g. the template's raise_exception("roles must alternate")
             raise APIError(400, str(err), param="messages") from None
         except Exception as err:  # noqa: BLE001 -- the template is the model's code, not ours
@@ -202,11 +207,11 @@ class Server:
                     generated += len(out.token_ids)
                     # a token held back (a stop string may follow) keeps its logprob; an echo goes out at once
                     if out.text or out.logprobs or fmt.echoes(out.index):
-                        yield event(
-                            fmt.chunk(
-                                out.text, index=out.index, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs
-                            )
+                        chunk = fmt.chunk(
+                            out.text, index=out.index, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs
                         )
+                        if chunk is not None:  # None: held back (tool calls under "required" go out whole)
+                            yield event(chunk)
                     if out.finished:
                         yield event(fmt.last_chunk(out.finish_reason, out.index))
             except EngineStopped as err:
@@ -331,12 +336,13 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         server.check_model(body.model)
         body.check_supported()
-        ids = server.chat_prompt(body.messages)
+        tools = body.tool_calls()
+        ids = server.chat_prompt(body.messages, tools=body.template_tools())
         tokens_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens or max(server.engine.room(len(ids)), 1)
         server.check_fits(len(ids), max_tokens, "messages", tokens_param)
-        fmt = ChatFormat(new_id(ChatFormat.id_prefix), server.model_name, server.token_text)
-        params = body.sampling_params(max_tokens)
+        fmt = ChatFormat(new_id(ChatFormat.id_prefix), server.model_name, server.token_text, tools=tools)
+        params = body.sampling_params(max_tokens, tools)
         return await server.run(request, [ids], params, fmt, body.stream, body.include_usage, body.continuous_usage)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tformer.inference.sampling import TokenLogprob
+from tformer.serve.tools import ToolCalls
 
 
 def new_id(prefix: str) -> str:
@@ -151,10 +152,18 @@ class CompletionFormat:
 
 
 class ChatFormat(CompletionFormat):
-    """Shapes /v1/chat/completions answers: `chat.completion` objects and `chat.completion.chunk` deltas."""
+    """Shapes /v1/chat/completions answers: `chat.completion` objects and `chat.completion.chunk` deltas; with
+    `tools`, the answers are tool calls (tools.py)."""
 
     id_prefix = "chatcmpl"
     endpoint = "/v1/chat/completions"
+
+    def __init__(
+        self, request_id: str, model: str, token_text: Callable[[int], str] = str, tools: ToolCalls | None = None
+    ) -> None:
+        super().__init__(request_id, model, token_text)
+        self.tools = tools
+        self._calls: dict[int, str] = {}  # each choice's tool-call text so far
 
     def _wrap(self, choices: list[dict[str, Any]], chunk: bool = True, **extra: Any) -> dict[str, Any]:
         kind = "chat.completion.chunk" if chunk else "chat.completion"
@@ -180,19 +189,19 @@ class ChatFormat(CompletionFormat):
         return {"content": content, "refusal": None}
 
     def response(self, samples: list[Sample], use: dict[str, int]) -> dict[str, Any]:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": s.text},
-                "logprobs": self.logprobs(s.logprobs),
-                "finish_reason": s.finish_reason,
-            }
-            for i, s in enumerate(samples)
-        ]
+        choices = []
+        for i, s in enumerate(samples):
+            message, reason = {"role": "assistant", "content": s.text}, s.finish_reason
+            if self.tools is not None:
+                message, reason = self.tools.message(s.text, reason, i)
+            choices.append(
+                {"index": i, "message": message, "logprobs": self.logprobs(s.logprobs), "finish_reason": reason}
+            )
         return self._wrap(choices, chunk=False, usage=use)
 
     def first_chunks(self, n: int) -> list[dict[str, Any]]:
-        return [self._delta({"role": "assistant", "content": ""}, None, i) for i in range(n)]
+        content = "" if self.tools is None else None
+        return [self._delta({"role": "assistant", "content": content}, None, i) for i in range(n)]
 
     def chunk(
         self,
@@ -201,14 +210,26 @@ class ChatFormat(CompletionFormat):
         index: int = 0,
         logprobs: list[TokenLogprob] | None = None,
         prompt_logprobs: list[TokenLogprob | None] | None = None,
-    ) -> dict[str, Any]:
-        return self._delta({"content": text}, finish_reason, index, logprobs)
+    ) -> dict[str, Any] | None:
+        if self.tools is None:
+            return self._delta({"content": text}, finish_reason, index, logprobs)
+        first = index not in self._calls
+        self._calls[index] = self._calls.get(index, "") + text
+        delta = self.tools.delta(text, index, first)
+        if delta is None and not logprobs:
+            return None  # "required": the calls go out whole in the last chunk
+        return self._delta(delta or {}, finish_reason, index, logprobs)
 
     def last_chunk(self, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
-        return self._delta({}, finish_reason, index)
+        if self.tools is None:
+            return self._delta({}, finish_reason, index)
+        text = self._calls.get(index, "")
+        delta = {} if self.tools.named is not None else self.tools.last_delta(text, index)
+        reason = finish_reason if "content" in delta else self.tools.finish_reason(finish_reason)
+        return self._delta(delta, reason, index)
 
     def _delta(
-        self, delta: dict[str, str], finish_reason: str | None, index: int, logprobs: list[TokenLogprob] | None = None
+        self, delta: dict[str, Any], finish_reason: str | None, index: int, logprobs: list[TokenLogprob] | None = None
     ) -> dict[str, Any]:
         choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs)}
         return self._wrap([{**choice, "finish_reason": finish_reason}])

@@ -1,7 +1,7 @@
 """The OpenAI wire format's request bodies (pydantic, strict types); the answers are in formats.py.
 
-Parameters tformer cannot honour (best_of, suffix, tools and function calls, JSON mode, audio) are declared, so
-that a request using them gets a 400 naming the parameter instead of being silently ignored. Unknown fields are
+Parameters tformer cannot honour (best_of, suffix, the older function calls, audio) are declared, so that a request
+using them gets a 400 naming the parameter instead of being silently ignored. Unknown fields are
 ignored, as OpenAI's SDKs send new optional fields before servers know them.
 """
 
@@ -12,8 +12,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tformer.inference import SamplingParams
+from tformer.errors import RequestError
+from tformer.inference import SamplingParams, StructuredOutput
 from tformer.serve.errors import APIError
+from tformer.serve.tools import Tool, ToolCalls
 
 MAX_SAMPLES = 16  # n: more parallel samples of one prompt than this is a 400
 MAX_CHOICES = 256  # a batch of prompts times n: more choices than this in one completion is a 400
@@ -62,6 +64,13 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None  # vLLM's
     logit_bias: dict[str, Bias] | None = None  # {token id as a string: a bias added to its logit}
     user: str | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: dict[str, Any] | None = None  # {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         """Raises APIError (400, naming the parameter) for a value tformer does not support."""
@@ -69,8 +78,12 @@ class _GenerationRequest(BaseModel):
             if name in type(self).model_fields and not supported(getattr(self, name)):
                 raise APIError(400, f"{name}={getattr(self, name)!r} is not supported: {advice}", param=name)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's parameters (RequestError for a value the engine refuses)."""
+    def sampling_params(self, max_tokens: int, tools: ToolCalls | None = None) -> SamplingParams:
+        """The engine's parameters (RequestError for a value the engine refuses); a tool choice's constraint holds
+        the answer when `tools` is given."""
+        structured = self.structured_output()
+        if tools is not None and structured is not None:
+            raise APIError(400, "a tool choice already holds the answer: drop the structured output", param="tools")
         temperature = max(self.temperature, MIN_TEMPERATURE) if self.temperature > 0 else 0.0
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = {}
@@ -98,7 +111,47 @@ class _GenerationRequest(BaseModel):
             min_p=self.min_p,
             min_tokens=self.min_tokens,
             stop_token_ids=list(self.stop_token_ids or []),
+            structured=structured if tools is None else tools.constraint,
         )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """What the output must match, from whichever one of the structured-output parameters is given."""
+        given: dict[str, dict[str, Any]] = {}
+        if self.response_format is not None:
+            kind = self.response_format.get("type")
+            if kind == "json_object":
+                given["response_format"] = {"json_object": True}
+            elif kind == "json_schema":
+                schema = (self.response_format.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise APIError(
+                        400,
+                        'response_format {"type": "json_schema"} needs "json_schema": {"name": ..., "schema": {...}}',
+                        param="response_format",
+                    )
+                given["response_format"] = {"json": schema}
+            elif kind != "text":
+                raise APIError(
+                    400, f"response_format type {kind!r}: use text, json_object or json_schema", param="response_format"
+                )
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                given[f"guided_{kind}"] = {kind: value}
+        if len(given) > 1:
+            raise APIError(400, f"give one structured output, not {' and '.join(given)}", param=next(iter(given)))
+        if not given:
+            return None
+        param, spec = next(iter(given.items()))
+        try:
+            return StructuredOutput(**spec)
+        except TypeError:
+            fields = "json, json_object, regex, choice or grammar"
+            raise APIError(400, f"{param} takes one of {fields}, got {sorted(spec)}", param=param) from None
+        except RequestError as err:
+            raise APIError(400, str(err), param=param) from None
 
     def logprobs_asked(self) -> int | None:
         """How many alternatives each token's log-probabilities list, or None when none are asked."""
@@ -165,10 +218,18 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (tool calls and call ids included when present)."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatRequest(_GenerationRequest):
@@ -178,18 +239,26 @@ class ChatRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None  # the older name of tools
     function_call: str | dict[str, Any] | None = None  # the older name of tool_choice
+    parallel_tool_calls: bool = True  # with tool_choice "required": False allows one call only
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None  # {"type": "text"} only: no constrained decoding
 
     def logprobs_asked(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_calls(self) -> ToolCalls | None:
+        """The request's tool choice (tools.py), or None when the answer calls no tool."""
+        return ToolCalls.choose(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates read them (HF's `tools` variable)."""
+        return None if not self.tools else [tool.model_dump(exclude_none=True) for tool in self.tools]
 
 
 class TranslationRequest(BaseModel):
@@ -211,14 +280,8 @@ def _is(*allowed: object) -> Callable[[object], bool]:
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (_is(None, 1), "only best_of=1"),
     "suffix": (_is(None), "insertion (suffix) is not supported"),
-    "tools": (lambda v: not v, "tool calling is not implemented"),
-    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not implemented"),
-    "functions": (lambda v: not v, "function calling is not implemented"),
-    "function_call": (lambda v: v in (None, "none", "auto"), "function calling is not implemented"),
+    "functions": (lambda v: not v, "the older function calls are not supported: send tools and tool_choice"),
+    "function_call": (lambda v: v in (None, "none"), "the older function calls are not supported: use tool_choice"),
     "modalities": (lambda v: v is None or v == ["text"], 'only ["text"]: the model reads and writes text'),
     "audio": (_is(None), "audio output is not supported"),
-    "response_format": (
-        lambda v: v is None or v == {"type": "text"},
-        'only {"type": "text"}: JSON mode and JSON schemas (constrained decoding) are not implemented',
-    ),
 }
