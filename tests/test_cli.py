@@ -1,5 +1,6 @@
 """The command line, run as a user runs it."""
 
+import json
 import subprocess
 import sys
 
@@ -78,6 +79,39 @@ def test_commands_import_only_what_they_need():
     assert modules_after(viz, ("matplotlib", "torch")) == {"matplotlib", "torch"}
     # training loads the inference engine (and with it Dynamo, ~1 s) only when it translates
     assert modules_after("import tformer.training", ("tformer.inference", "torch._dynamo", "torch")) == {"torch"}
+
+
+def test_generate_holds_its_output_to_a_regex_a_schema_or_a_grammar(tmp_path, capsys):
+    """--regex, --json-schema (a file) and --grammar print the engine's text under the same constraint, which the
+    plain text does not meet; two constraints, or one that does not compile, are one-line errors."""
+    import torch
+
+    from tformer import ModelConfig, build_model
+    from tformer.data.tokenizer import Tokenizer
+    from tformer.inference import Engine, SamplingParams, StructuredOutput
+
+    tokenizer = Tokenizer.train(["the cat sat on the mat", "a dog ran in the park", '{"a": 1, "b": [2]}'] * 20, 300)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_preset("tiny-llama", vocab_size=len(tokenizer), dropout=0.0)).eval()
+    model.save(tmp_path)
+    tokenizer.save(tmp_path)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    plain = Engine(model, tokenizer).generate("the", SamplingParams(max_tokens=12, temperature=0.0))[0].text
+    for flags, spec in [
+        (["--regex", "(cat|dog)( sat| ran){1,3}"], {"regex": "(cat|dog)( sat| ran){1,3}"}),
+        (["--json-schema", str(tmp_path / "schema.json")], {"json": schema}),
+        (["--grammar", 'root ::= "the " ("mat" | "park")'], {"grammar": 'root ::= "the " ("mat" | "park")'}),
+    ]:
+        params = SamplingParams(max_tokens=12, temperature=0.0, structured=StructuredOutput(**spec))
+        expected = Engine(model, tokenizer).generate("the", params)[0].text
+        assert expected != plain
+        assert main(["generate", "the", "--model", str(tmp_path), "--max-tokens", "12", "--no-chat", *flags]) == 0
+        assert capsys.readouterr().out == expected + "\n"
+    assert main(["generate", "the", "--model", str(tmp_path), "--regex", "a", "--json-object"]) == 2
+    assert "give one of" in capsys.readouterr().err
+    assert main(["generate", "the", "--model", str(tmp_path), "--max-tokens", "12", "--regex", "(a"]) == 2
+    assert "does not compile" in capsys.readouterr().err
 
 
 def test_generate_streams_what_the_engine_generates(tmp_path, capsys):

@@ -38,6 +38,10 @@ def generate(
     draft_quantize: str | None = None,
     speculative_tokens: int = 4,
     kv_cache_dtype: str = "auto",
+    json_schema: str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    grammar: str | None = None,
 ) -> None:
     """Generate text from prompts given as arguments, or one per line from stdin, streaming as it goes.
 
@@ -59,6 +63,10 @@ def generate(
     speculative_tokens: draft tokens per decode step, with a draft model
     kv_cache_dtype: auto (the model's dtype) or int8 (keys and values as int8 with a scale per token and head:
       about half bf16's bytes, so more tokens fit and long contexts decode faster; perplexity in docs/engine.md)
+    json_schema: hold the output to this JSON schema (a .json file, or the schema itself), as llama.cpp's --json-schema
+    json_object: hold the output to any JSON object
+    regex: hold the output to this regular expression (matched whole; \\d is an ASCII digit)
+    grammar: hold the output to this grammar, GBNF (llama.cpp's --grammar) or Lark: a file, or the grammar itself
     """
     from tformer.inference import EngineConfig, SamplingParams
     from tformer.serve.loading import load_engine
@@ -80,6 +88,7 @@ def generate(
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         seed=seed,
+        structured=_structured_output(json_schema, json_object, regex, grammar),
     )
     for prompt in prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]:
         if chat and tokenizer.chat_template:
@@ -87,6 +96,29 @@ def generate(
         for piece in engine.stream(prompt, params):
             print(piece.text, end="", flush=True)
         print()
+
+
+def _structured_output(json_schema: str | None, json_object: bool, regex: str | None, grammar: str | None):
+    """`generate`'s constraint from its options (None without one); a file's text where an option names a file."""
+    import json
+
+    from tformer.inference import StructuredOutput
+
+    def text(value: str | None) -> str | None:
+        return Path(value).read_text() if value is not None and Path(value).is_file() else value
+
+    given = {"json": text(json_schema), "json_object": json_object, "regex": regex, "grammar": text(grammar)}
+    given = {kind: value for kind, value in given.items() if value}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ConfigError(f"give one of --json-schema, --json-object, --regex, --grammar; got {len(given)}")
+    if "json" in given:
+        try:
+            given["json"] = json.loads(given["json"])
+        except ValueError as err:
+            raise ConfigError(f"--json-schema is neither a file nor JSON: {err}") from None
+    return StructuredOutput(**given)
 
 
 def serve(
