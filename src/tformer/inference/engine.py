@@ -259,7 +259,7 @@ class Engine:
                 context, ends = member.tokens_between(0, member.length), self.outputs.eos_ids
                 chosen_from = adjust_logits(logits, params, context, member.output, ends)
             if member.constraint is not None:  # a structured output: only the tokens that keep it valid
-                chosen_from = member.constraint.mask(chosen_from, logits)
+                chosen_from = member.constraint.mask(chosen_from, None if chosen_from is logits else logits)
             greedy = params.greedy and best is not None and chosen_from is logits
             token = best if greedy else sample_token(chosen_from, params, member.generator)
             member.output.append(token)

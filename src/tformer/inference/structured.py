@@ -18,9 +18,9 @@ import json
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import torch
 
 from tformer.errors import RequestError
@@ -145,7 +145,7 @@ class Constraint:
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
-        self._words = torch.zeros(-(-vocab_size // MASK_BITS), dtype=torch.int32)
+        self._words = np.zeros(-(-vocab_size // MASK_BITS), dtype=np.int32)  # llguidance writes the mask here
 
     def copy(self) -> Constraint:
         """An independent copy in the same state (a request's n samples each follow their own)."""
@@ -154,18 +154,18 @@ class Constraint:
     def allowed(self) -> torch.Tensor:
         """(V,) bool: the tokens that keep the output valid (end-of-sequence only where it may end)."""
         words = self._words
-        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
-        bits = words.unsqueeze(-1) >> _shifts() & 1  # (words, 32): bit j of word w is token 32 w + j
-        return bits.flatten()[: self.vocab_size].bool()
+        self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")  # bit j of word w: token 32 w + j
+        return torch.from_numpy(bits[: self.vocab_size].view(np.bool_))
 
-    def mask(self, logits: torch.Tensor, unadjusted: torch.Tensor) -> torch.Tensor:
-        """`logits` (V,) with every token the constraint refuses at -inf. Should nothing be left (min_tokens
-        banned the end-of-sequence the constraint now needs), the constraint wins over the request's adjustments:
-        the `unadjusted` logits, masked."""
+    def mask(self, logits: torch.Tensor, unadjusted: torch.Tensor | None = None) -> torch.Tensor:
+        """`logits` (V,) with every token the constraint refuses at -inf. Given the `unadjusted` logits (before the
+        request's penalties and min_tokens), should nothing be left (min_tokens banned the end-of-sequence the
+        constraint now needs), the constraint wins: the unadjusted logits, masked."""
         allowed = self.allowed().to(logits.device)
-        masked = logits.float().masked_fill(~allowed, float("-inf"))
-        if bool(masked.isneginf().all()):
-            masked = unadjusted.float().masked_fill(~allowed, float("-inf"))
+        masked = torch.where(allowed, logits.float(), float("-inf"))
+        if unadjusted is not None and bool(masked.isneginf().all()):
+            masked = torch.where(allowed, unadjusted.float(), float("-inf"))
         return masked
 
     def advance(self, token: int) -> bool:
@@ -180,8 +180,3 @@ class Constraint:
     @property
     def error(self) -> str:
         return self.matcher.get_error() if self.matcher.is_error() else ""
-
-
-@lru_cache(maxsize=1)
-def _shifts() -> torch.Tensor:
-    return torch.arange(MASK_BITS, dtype=torch.int32)
