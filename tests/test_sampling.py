@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from helpers import chi_square
 
-from tformer.inference.sampling import ARGMAX_CHUNK, greedy_tokens
+from tformer.inference.sampling import ARGMAX_CHUNK, greedy_tokens, sample_index
 
 
 @pytest.mark.parametrize("vocab", [49152, 50257, 3 * ARGMAX_CHUNK, ARGMAX_CHUNK + 1, 100])
@@ -26,3 +27,25 @@ def test_greedy_tokens_are_torch_argmax_with_ties_nan_and_infinities(rows, vocab
     cases += [with_nan, with_inf]
     for logits in cases:
         assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+
+
+def test_sample_index_draws_from_the_distribution_and_never_a_zero():
+    """Inverse transform sampling: 20,000 seeded draws from a distribution with zeros at both ends and inside follow
+    it (Pearson's statistic below the 0.999 quantile), never land on a zero, and repeat with the seed; NaN or an
+    all-zero distribution is an error, not a silent index."""
+    probs = torch.tensor([0.0, 0.05, 0.3, 0.0, 0.15, 0.5, 0.0])
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.tensor([sample_index(probs, generator) for _ in range(20000)])
+    counts = torch.bincount(draws, minlength=len(probs)).float()
+    assert counts[probs == 0].sum() == 0
+    kept = probs > 0
+    assert chi_square(counts[kept], probs[kept]) < 16.3  # 3 degrees of freedom
+    unnormalized = probs * 7  # a total other than 1 is scaled to, not assumed
+    again = [sample_index(unnormalized, torch.Generator().manual_seed(0)) for _ in range(1)]
+    assert again == [int(draws[0])]
+    one_hot = torch.zeros(49152)
+    one_hot[49151] = 1.0  # the last index, where a draw rounded up to the total lands
+    assert sample_index(one_hot, generator) == 49151
+    for bad in (torch.tensor([0.5, float("nan")]), torch.zeros(4)):
+        with pytest.raises(ValueError, match="not a distribution"):
+            sample_index(bad, generator)

@@ -24,7 +24,14 @@ import torch
 from tformer.errors import ConfigError
 from tformer.inference.paged import PagedKVCache
 from tformer.inference.runner import DecoderRunner, StepBatch, step_inputs
-from tformer.inference.sampling import RequestError, SamplingParams, greedy_tokens, make_generator, sampling_probs
+from tformer.inference.sampling import (
+    RequestError,
+    SamplingParams,
+    greedy_tokens,
+    make_generator,
+    sample_index,
+    sampling_probs,
+)
 from tformer.inference.scheduler import Sequence
 from tformer.models import DecoderLM, TransformerModel
 
@@ -42,8 +49,8 @@ def accept_draft(
         residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
         total = residual.sum()
         choice = residual / total if total > 0 else target_probs[i]
-        return kept + [int(torch.multinomial(choice, 1, generator=generator))]
-    return kept + [int(torch.multinomial(target_probs[len(draft_tokens)], 1, generator=generator))]
+        return kept + [sample_index(choice, generator)]
+    return kept + [sample_index(target_probs[len(draft_tokens)], generator)]
 
 
 def accept_greedy(draft_tokens: list[int], target_tokens: list[int]) -> list[int]:
@@ -166,7 +173,7 @@ def _propose(
         else:
             dists.append(torch.stack([sampling_probs(row, params) for row in next_logits]))
         for b in (b for b, on in enumerate(active) if on):
-            token = best[b] if params.greedy else int(torch.multinomial(dists[-1][b], 1, generator=generator))
+            token = best[b] if params.greedy else sample_index(dists[-1][b], generator)
             proposals[b].append(token)
             rows.draft_cached[b] = starts[b] + len(fed[b])
     return proposals, torch.stack(dists, 1) if dists else None
@@ -218,7 +225,7 @@ class Drafter:
                     proposals[b].append(best[j])
                 else:
                     q = sampling_probs(logits[j], seq.params)
-                    proposals[b].append(int(torch.multinomial(q, 1, generator=seq.generator)))
+                    proposals[b].append(sample_index(q, seq.generator))
                     dists[b].append(q)
                 seq.draft_computed = starts[j] + len(chunks[j])
         return proposals, [torch.stack(d) if d else torch.empty(0) for d in dists]
