@@ -127,13 +127,19 @@ def test_sampled_json_follows_the_schema_in_every_sample(smollm2) -> None:
 
 
 def test_json_object_parses_and_a_cut_answer_says_length(smollm2) -> None:
-    """Any JSON object: the greedy answer parses to a dict; cut by max_tokens, it ends with "length"."""
+    """Any JSON object: the greedy answer parses to a dict; cut by max_tokens, it ends with "length"; with
+    `disable_any_whitespace` it is the compact serialization of what it parses to."""
     _, tokenizer, engine = smollm2
     prompt = chat(tokenizer, "Give me a book as a JSON object with a title and a year.")
     [whole] = engine.generate([prompt], SamplingParams(max_tokens=100, temperature=0, structured={"json_object": True}))
     assert whole.finish_reason == "stop" and isinstance(json.loads(whole.text), dict)
     [cut] = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0, structured={"json_object": True}))
     assert cut.finish_reason == "length" and cut.token_ids == whole.token_ids[:3]
+    compact = {"json_object": True, "disable_any_whitespace": True}  # vLLM's: no whitespace between JSON tokens
+    [tight] = engine.generate([prompt], SamplingParams(max_tokens=100, temperature=0, structured=compact))
+    value = json.loads(tight.text)
+    assert isinstance(value, dict) and tight.text == json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    assert "\n" in whole.text  # the flexible default let the model write newlines
 
 
 def test_constraints_that_cannot_be_served_are_refused(smollm2) -> None:

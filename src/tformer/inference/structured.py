@@ -35,13 +35,15 @@ class StructuredOutput:
     """What a request's output must match: exactly one of `json` (a JSON schema, as a dict or its JSON text),
     `json_object` (any JSON object), `regex` (Rust's regex syntax, matched whole; `\\d` is an ASCII digit),
     `choice` (one of these strings)
-    or `grammar` (a Lark grammar, or a GBNF one as llama.cpp's `--grammar` takes)."""
+    or `grammar` (a Lark grammar, or a GBNF one as llama.cpp's `--grammar` takes). JSON may hold any whitespace
+    between its tokens, unless `disable_any_whitespace` (vLLM's): then none, as in '{"a":1,"b":[2,3]}'."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -64,7 +66,7 @@ class StructuredOutput:
         kind = next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
         value = getattr(self, kind)
         text = json.dumps(value, sort_keys=True) if kind in ("json", "choice") and not isinstance(value, str) else value
-        return f"{kind}:{text}"
+        return f"{kind}{'-compact' if self.disable_any_whitespace else ''}:{text}"
 
 
 def _llguidance() -> Any:
@@ -78,12 +80,13 @@ def _llguidance() -> Any:
 def grammar_text(spec: StructuredOutput) -> str:
     """llguidance's grammar for a constraint; RequestError with llguidance's reason when it does not compile."""
     llg = _llguidance()
+    options = {"whitespace_flexible": not spec.disable_any_whitespace}
     try:
         if spec.json is not None:
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            return llg.LLMatcher.grammar_from_json_schema(schema)
+            return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         if spec.json_object:
-            return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+            return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=options)
         if spec.regex is not None:  # \d as [0-9]: Rust's \d is any Unicode digit (U+1FBF8 too)
             return llg.LLMatcher.grammar_from_regex(llg.regex_to_lark(spec.regex, "d"))
         if spec.choice is not None:
