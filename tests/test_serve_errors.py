@@ -78,7 +78,8 @@ ERROR_CASES = [
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (CHAT, {"messages": USER, "model": "other"}, 404, "model"),
     (CHAT, {"messages": USER, "max_completion_tokens": 500}, 400, "max_completion_tokens"),
-    ("/v1/embeddings", {"input": "hi"}, 404, None),
+    ("/v1/embeddings", {"input": []}, 400, "input"),
+    ("/v1/embeddings", {"input": "hi", "dimensions": 2}, 400, "dimensions"),
 ]
 
 

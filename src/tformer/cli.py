@@ -16,7 +16,7 @@ import typing
 from collections.abc import Callable
 
 from tformer.commands.inspect import info, presets, viz
-from tformer.commands.serving import bench, convert, generate, serve
+from tformer.commands.serving import bench, convert, embed, generate, serve
 from tformer.commands.training import average, estimate, evaluate, train, translate
 from tformer.errors import TformerError
 
@@ -25,6 +25,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "eval": evaluate,
     "translate": translate,
     "generate": generate,
+    "embed": embed,
     "convert": convert,
     "serve": serve,
     "average": average,

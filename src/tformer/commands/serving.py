@@ -1,4 +1,4 @@
-"""The commands that load a model to run it: `generate`, `serve`, `bench` and `convert`."""
+"""The commands that load a model to run it: `generate`, `embed`, `serve`, `bench` and `convert`."""
 
 from __future__ import annotations
 
@@ -96,6 +96,31 @@ def generate(
         for piece in engine.stream(prompt, params):
             print(piece.text, end="", flush=True)
         print()
+
+
+def embed(texts: list[str], *, model: str, pooling: str | None = None, normalize: bool = True) -> None:
+    """Print one embedding per text (arguments, or one per line from stdin) as a JSON list per line.
+
+    model: a tformer checkpoint, a Hugging Face directory (a sentence-transformers one brings its own pooling, such
+      as all-MiniLM-L6-v2's) or a .gguf file
+    pooling: mean, cls or last (default: the directory's sentence-transformers setting, else mean for encoders and
+      last for decoders)
+    normalize: scale each vector to unit length (then a dot product is the cosine similarity)
+    """
+    import json
+    import warnings
+
+    from tformer.inference.embedding import Embedder, Pooling
+    from tformer.interop.loading import load_pretrained
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # weights an embedding does not use (a pooler, a head) are dropped
+        net, tokenizer = load_pretrained(model)
+    found = Pooling.default_for(net, model if Path(model).is_dir() else None)
+    chosen = Pooling(pooling or found.mode, normalize, found.max_tokens)
+    embedder = Embedder(net, tokenizer, chosen)
+    for vector in embedder.embed(texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]):
+        print(json.dumps([round(x, 7) for x in vector.tolist()]))
 
 
 def _structured_output(json_schema: str | None, json_object: bool, regex: str | None, grammar: str | None):

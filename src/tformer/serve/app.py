@@ -26,6 +26,7 @@ from tformer.data import DataError
 from tformer.data.tokenizer import Tokenizer
 from tformer.inference import ContextLengthError, RequestOutput, SamplingParams
 from tformer.serve.async_engine import AsyncEngine, EngineStopped
+from tformer.serve.embeddings import add_embedding_routes
 from tformer.serve.errors import APIError, error_body, install_error_handlers
 from tformer.serve.formats import ChatFormat, CompletionFormat, Echo, Sample, new_id, usage
 from tformer.serve.metrics import Metrics
@@ -371,6 +372,7 @@ def create_app(
     _add_info_routes(app, server)
     _add_generation_routes(app, server)
     add_tokenizer_routes(app, server)
+    add_embedding_routes(app, server)
     add_playground(app, server, runs_dir)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

@@ -1,0 +1,82 @@
+"""OpenAI's `POST /v1/embeddings` on the served model: one vector per input, pooled from its last hidden states
+(inference/embedding.py: a decoder's last token, an encoder-decoder's mean encoder state, unit length).
+
+Inputs are a string, a list of strings, a list of token ids or a list of such lists (at most 2,048, OpenAI's
+limit). `encoding_format` "base64" sends each vector as its float32 bytes (little-endian) in base64, which the
+official openai client asks for by default and decodes itself. The forward runs on the engine thread between two
+engine steps, so it never computes beside a step.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from tformer.errors import RequestError
+from tformer.inference.embedding import Embedder
+from tformer.serve.async_engine import EngineStopped
+from tformer.serve.errors import APIError
+
+if TYPE_CHECKING:
+    from tformer.serve.app import Server
+
+MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    input: str | list[int] | list[str] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """The request's inputs as a list: a single string or token-id list is one input."""
+        given = self.input
+        if isinstance(given, str) or (given and isinstance(given[0], int)):
+            return [given]  # type: ignore[list-item]
+        if not given or len(given) > MAX_INPUTS:
+            raise APIError(400, f"input takes 1 to {MAX_INPUTS} inputs, got {len(given)}", param="input")
+        return list(given)  # type: ignore[arg-type]
+
+
+def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+def add_embedding_routes(app: FastAPI, server: Server) -> None:
+    embedder = Embedder(server.engine.engine.model, server.tokenizer)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> Response:
+        server.check_model(body.model)
+        if body.dimensions not in (None, embedder.dimensions):
+            raise APIError(
+                400,
+                f"this model's vectors have {embedder.dimensions} dimensions; it cannot shorten them to "
+                f"{body.dimensions} (leave dimensions out)",
+                param="dimensions",
+            )
+        try:
+            rows = embedder.token_ids(body.inputs())
+        except RequestError as err:
+            raise APIError(400, str(err), param="input") from None
+        try:
+            vectors = await server.engine.call(lambda: embedder.embed(rows).numpy())
+        except EngineStopped as err:
+            raise APIError(503, str(err)) from None
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)}
+            for i, vector in enumerate(vectors)
+        ]
+        tokens = sum(len(row) for row in rows)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return JSONResponse({"object": "list", "data": data, "model": server.model_name, "usage": usage})
