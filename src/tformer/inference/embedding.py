@@ -107,14 +107,21 @@ class Embedder:
         self.max_tokens = min(self.pooling.max_tokens, limit) if self.pooling.max_tokens else limit
         self.dimensions = model.config.d_model
 
+    def encode(self, text: str) -> list[int]:
+        """A text's token ids as the model read them in pretraining: an encoder's with the tokenizer's own special
+        tokens around them (BERT's [CLS] ... [SEP], as sentence-transformers encodes), a decoder's as it prompts."""
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer: give the inputs as lists of token ids")
+        if isinstance(self.model, EncoderMLM) and hasattr(self.tokenizer, "encode_with_special_tokens"):
+            return self.tokenizer.encode_with_special_tokens(text)
+        return self.tokenizer.encode(text)
+
     def token_ids(self, inputs: Sequence[str | Sequence[int]]) -> list[list[int]]:
         """Each input's token ids, checked (RequestError for an empty or too long input, or an unknown id)."""
         vocab, rows = self.model.config.vocab_size, []
         for i, item in enumerate(inputs):
             if isinstance(item, str):
-                if self.tokenizer is None:
-                    raise RequestError("this model has no tokenizer: give the inputs as lists of token ids")
-                item = self.tokenizer.encode(item)
+                item = self.encode(item)
             ids = [int(t) for t in item]
             if not ids:
                 raise RequestError(f"input {i} is empty; give at least one token")
