@@ -177,3 +177,15 @@ def test_a_draft_model_leaves_structured_requests_to_plain_decoding(smollm2) -> 
     assert drafted.speculative.proposed == 0
     drafted.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))
     assert drafted.speculative.proposed > 0  # the same engine drafts for a plain request
+
+
+def test_a_refused_token_ends_the_constraint_with_a_warning(smollm2, caplog) -> None:
+    """A token outside the mask (which sampling never picks) is refused, logged with llguidance's reason, and leaves
+    the constraint finished, so the engine ends the sample instead of decoding on from a broken state."""
+    _, tokenizer, engine = smollm2
+    constraint = engine.inputs.grammars.constraint(StructuredOutput(regex="ab"))
+    refused = tokenizer.encode("zz", add_bos=False)[0]
+    assert not constraint.allowed()[refused] and not constraint.finished
+    with caplog.at_level("WARNING", logger="tformer.inference.structured"):
+        assert not constraint.advance(refused)
+    assert constraint.finished and "was refused" in caplog.text

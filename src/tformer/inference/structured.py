@@ -15,7 +15,7 @@ llguidance is imported on first use, so that processes which never constrain out
 from __future__ import annotations
 
 import json
-import threading
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +25,7 @@ import torch
 
 from tformer.errors import RequestError
 
+logger = logging.getLogger(__name__)
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MASK_BITS = 32  # llguidance's bitmask: one int32 word for every 32 tokens
 MAX_GRAMMARS = 256  # compiled grammars a compiler keeps
@@ -98,28 +99,27 @@ def grammar_text(spec: StructuredOutput) -> str:
 
 class GrammarCompiler:
     """One tokenizer's constraints: llguidance's view of the vocabulary, built on first use (about 0.25 s for
-    SmolLM2's 49,152 tokens), and the grammars compiled so far (validated once, by their `key`)."""
+    SmolLM2's 49,152 tokens), and the grammars compiled so far (validated once, by their `key`). Like the engine
+    that holds it, it is used from one thread."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
-        self._lock = threading.Lock()  # the server checks requests on its event loop, the engine steps elsewhere
         self._llg_tokenizer: Any = None
         self._grammars: dict[str, str] = {}  # key -> compiled grammar, the oldest dropped past MAX_GRAMMARS
 
     def _vocabulary(self) -> Any:
-        with self._lock:
-            if self._llg_tokenizer is None:
-                backend = getattr(self.tokenizer, "backend", None)
-                if backend is None or not self.eos_ids:
-                    raise RequestError(
-                        "structured outputs need the model's tokenizer (a Hugging Face `tokenizers` one) and its "
-                        "end-of-sequence token; this engine has neither"
-                    )
-                llg = _llguidance()
-                self._llg_tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_ids)
-            return self._llg_tokenizer
+        if self._llg_tokenizer is None:
+            backend = getattr(self.tokenizer, "backend", None)
+            if backend is None or not self.eos_ids:
+                raise RequestError(
+                    "structured outputs need the model's tokenizer (a Hugging Face `tokenizers` one) and its "
+                    "end-of-sequence token; this engine has neither"
+                )
+            llg = _llguidance()
+            self._llg_tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_ids)
+        return self._llg_tokenizer
 
     def _grammar(self, spec: StructuredOutput) -> str:
         key = spec.key()
@@ -172,14 +172,14 @@ class Constraint:
         return masked
 
     def advance(self, token: int) -> bool:
-        """Takes the chosen token; False when the constraint refuses it (its state is then an error)."""
-        return bool(self.matcher.consume_token(token))
+        """Takes the chosen token. A token the constraint refuses (the masks never offer one) puts the matcher in
+        an error state, which ends the sample as `finished`; it is logged with llguidance's reason."""
+        if self.matcher.consume_token(token):
+            return True
+        logger.warning("structured output: token %d was refused (%s); the sample ends", token, self.matcher.get_error())
+        return False
 
     @property
     def finished(self) -> bool:
         """Whether the output is complete and nothing may follow (or the constraint failed)."""
         return bool(self.matcher.is_stopped())
-
-    @property
-    def error(self) -> str:
-        return self.matcher.get_error() if self.matcher.is_error() else ""
