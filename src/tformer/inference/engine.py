@@ -90,6 +90,8 @@ class EngineConfig:
 class Engine:
     """Generates for many requests at once: `generate(prompts, params)`, `stream(prompt, params)`, `step()`."""
 
+    generates = True  # an encoder's EmbeddingEngine (embedding.py), which serves embeddings only, does not
+
     def __init__(
         self,
         model: TransformerModel,

@@ -112,6 +112,15 @@ class Server:
             ) from None
         return self.encode(text, "messages")
 
+    def check_generates(self) -> None:
+        """A 400 for a generation request to a model that only embeds (an encoder)."""
+        if not self.engine.engine.generates:
+            raise APIError(
+                400,
+                f"the model {self.model_name!r} is an encoder: it embeds text and generates none; use /v1/embeddings",
+                param="model",
+            )
+
     def check_fits(self, prompt_len: int, max_tokens: int, prompt_param: str, tokens_param: str) -> None:
         """Names the parameter at fault when a request overflows the context (the engine's rule, applied before the
         request is queued)."""
@@ -319,6 +328,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
+        server.check_generates()
         body.check_supported()
         given = body.prompts()
         prompts = [server.encode(p, "prompt") if isinstance(p, str) else p for p in given]
@@ -336,6 +346,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         server.check_model(body.model)
+        server.check_generates()
         body.check_supported()
         tools = body.tool_calls()
         ids = server.chat_prompt(body.messages, tools=body.template_tools())

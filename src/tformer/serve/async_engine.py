@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tformer.inference import Engine, RequestError, RequestOutput, SamplingParams
+from tformer.inference.embedding import EmbeddingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class AsyncEngine:
     its `RequestOutput`s and aborts the request if the caller stops early; `generate(...)` does both.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine | EmbeddingEngine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # the callers' side: touched only from event loops
@@ -109,10 +110,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._lock = threading.Lock()  # no add can slip in behind the stop command
-        self._stats = EngineStats(blocks_total=engine.allocator.pool.num_blocks)
+        self._stats = EngineStats(blocks_total=engine.allocator.pool.num_blocks if engine.generates else 0)
 
     @classmethod
-    def launch(cls, build: Callable[[], Engine]) -> AsyncEngine:
+    def launch(cls, build: Callable[[], Engine | EmbeddingEngine]) -> AsyncEngine:
         """Runs `build()` on a new engine thread, then serves from that thread; returns once the engine is built
         (or raises what `build` raised). Loading, warm-up and every step then share one OpenMP team."""
         built: concurrent.futures.Future[AsyncEngine] = concurrent.futures.Future()
@@ -346,6 +347,8 @@ class AsyncEngine:
 
     def _publish_stats(self) -> None:
         engine = self.engine
+        if not engine.generates:  # an encoder's: no requests, no blocks
+            return
         self._stats = EngineStats(
             waiting=len(engine.scheduler.waiting),
             running=len(engine.scheduler.running),

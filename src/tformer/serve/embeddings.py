@@ -1,5 +1,6 @@
 """OpenAI's `POST /v1/embeddings` on the served model: one vector per input, pooled from its last hidden states
-(inference/embedding.py: a decoder's last token, an encoder-decoder's mean encoder state, unit length).
+(inference/embedding.py: a decoder's last token, an encoder-decoder's mean encoder state, an encoder's mean state or
+its sentence-transformers directory's own pooling; unit length).
 
 Inputs are a string, a list of strings, a list of token ids or a list of such lists (at most 2,048, OpenAI's
 limit). `encoding_format` "base64" sends each vector as its float32 bytes (little-endian) in base64, which the
@@ -53,7 +54,8 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
 
 
 def add_embedding_routes(app: FastAPI, server: Server) -> None:
-    embedder = Embedder(server.engine.engine.model, server.tokenizer)
+    engine = server.engine.engine  # an encoder's EmbeddingEngine brings its own pooling; a generating engine's
+    embedder = engine.embedder if not engine.generates else Embedder(engine.model, server.tokenizer)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> Response:

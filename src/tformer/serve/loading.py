@@ -10,11 +10,13 @@ import os
 from tformer.data.tokenizer import Tokenizer
 from tformer.errors import ConfigError
 from tformer.inference import Engine, EngineConfig, SamplingParams
+from tformer.inference.embedding import EmbeddingEngine, Pooling
 from tformer.inference.quantize import WEIGHT_DTYPES, Int4Linear, check_precision, resolve_dtype, set_precision
 from tformer.interop.gguf import from_gguf, is_gguf, open_gguf, q4_1_linears
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.interop.loading import load_pretrained
 from tformer.models import TransformerModel
+from tformer.models.families import EncoderMLM
 
 
 def load_engine(
@@ -24,10 +26,13 @@ def load_engine(
     dtype: str = "auto",
     draft_model: str | os.PathLike[str] | None = None,
     draft_quantize: str | None = None,
-) -> Engine:
+    embeddings_only: bool = False,
+) -> Engine | EmbeddingEngine:
     """An engine for `model` (a .gguf file, a tformer checkpoint or a Hugging Face directory) in `dtype`,
     optionally with its linear layers quantized ('int8', 'int4' or 'w8a8'; see `set_precision`), and with a draft
-    model for speculative decoding when `draft_model` names one (it may be the same file, quantized)."""
+    model for speculative decoding when `draft_model` names one (it may be the same file, quantized). An encoder,
+    which generates nothing, is served for embeddings alone (an `EmbeddingEngine`, with a sentence-transformers
+    directory's own pooling) where `embeddings_only` allows it, and is a ConfigError elsewhere."""
     check_precision(dtype, quantize)  # before the (slow) loads
     check_precision(dtype, draft_quantize)
     if draft_quantize is not None and draft_model is None:
@@ -37,6 +42,13 @@ def load_engine(
         )
     net, tokenizer = load_quantized(model, quantize, dtype)
     set_precision(net, dtype, quantize)
+    if isinstance(net, EncoderMLM):
+        if not embeddings_only or draft_model is not None:
+            raise ConfigError(
+                f"{model} is an encoder ({net.config.encoder_head} head): it embeds text and generates none; use "
+                "`tformer embed`, or `tformer serve` (without a draft model) for /v1/embeddings"
+            )
+        return EmbeddingEngine(net, tokenizer, Pooling.default_for(net, model if os.path.isdir(model) else None))
     draft = None
     if draft_model is not None:
         draft, _ = load_quantized(draft_model, draft_quantize, dtype)

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp
 
 from tformer.errors import ConfigError
 from tformer.inference import Engine, EngineConfig
+from tformer.inference.embedding import EmbeddingEngine
 from tformer.serve.app import create_app
 from tformer.serve.async_engine import AsyncEngine
 from tformer.serve.loading import load_engine, warm_up
@@ -59,9 +60,9 @@ def run_server(
         _serve(create_dashboard_app(runs_dir, api_key), host, port, api_key, shutdown_timeout)
         return
 
-    def build() -> Engine:
-        loaded = load_engine(model, engine_config, quantize, dtype, draft_model, draft_quantize)
-        if loaded.config.compile:
+    def build() -> Engine | EmbeddingEngine:
+        loaded = load_engine(model, engine_config, quantize, dtype, draft_model, draft_quantize, embeddings_only=True)
+        if loaded.generates and loaded.config.compile:
             logger.info("compiling the decode steps before serving (cached for the next start)")
             warm_up(loaded)  # /health answers only once the server listens: 200 means a compiled engine is ready
         return loaded
