@@ -7,6 +7,7 @@ output is compared with what the README shows and with the arithmetic behind it;
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -94,6 +95,7 @@ def test_tour_serves_real_weights(tmp_path, monkeypatch, capsys) -> None:
     ns = run_snippet(2, capsys)  # its print promises "The capital of France is Paris."
     for out in ns["outs"]:  # fp32 greedy: the engine's tokens are those of the plain uncached forward
         assert out.token_ids == reference_greedy(ns["model"], out.prompt_token_ids, len(out.token_ids))
+    assert json.loads(ns["answer"].text) == {"country": "FRANCE", "capital": "Paris"}  # what its print promises
 
 
 # ---- the command line ----------------------------------------------------------------------------------------------
