@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import chi_square
 
-from tformer.inference.sampling import ARGMAX_CHUNK, greedy_tokens, sample_index
+from tformer.inference.sampling import ARGMAX_CHUNK, filter_logits, greedy_tokens, sample_index
 
 
 @pytest.mark.parametrize("vocab", [49152, 50257, 3 * ARGMAX_CHUNK, ARGMAX_CHUNK + 1, 100])
@@ -49,3 +49,27 @@ def test_sample_index_draws_from_the_distribution_and_never_a_zero():
     for bad in (torch.tensor([0.5, float("nan")]), torch.zeros(4)):
         with pytest.raises(ValueError, match="not a distribution"):
             sample_index(bad, generator)
+
+
+def nucleus_by_sorting(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition: sort every logit, keep each token whose likelier tokens hold less than top_p."""
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = torch.softmax(sorted_logits, -1)
+    drop_sorted = probs.cumsum(-1) - probs >= top_p
+    return logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+
+
+@pytest.mark.parametrize("scale", [8.0, 3.0, 0.3])  # peaked, language-model-like, nearly flat
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99])
+def test_top_p_keeps_the_nucleus_the_sorted_definition_keeps(scale, top_p):
+    """Over SmolLM2's vocabulary size, top-p (which looks among the likeliest 256 tokens first, then 2,048, ...)
+    keeps exactly the tokens that sorting all 49,152 logits keeps, from a peaked distribution whose nucleus is a
+    few tokens to a nearly flat one whose nucleus is most of the vocabulary; with top_k first, over the survivors.
+    Where every logit is equal, any equal tokens form a nucleus: it keeps as many as the definition does."""
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(int(scale * 10 + top_p * 100))) * scale
+    assert torch.equal(filter_logits(logits, 0, top_p), nucleus_by_sorting(logits, top_p))
+    top_k = filter_logits(logits, 1000, 1.0)
+    assert torch.equal(filter_logits(logits, 1000, top_p), nucleus_by_sorting(top_k, top_p))
+    flat = torch.zeros(49152)
+    kept = filter_logits(flat, 0, top_p).isfinite().sum()
+    assert kept == nucleus_by_sorting(flat, top_p).isfinite().sum()

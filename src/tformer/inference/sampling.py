@@ -150,19 +150,33 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
+# top-p looks for its nucleus among the likeliest NUCLEUS_FIRST tokens, then 8x as many, before sorting them all
+NUCLEUS_FIRST = 256
+
+
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Keeps the top_k largest logits, then the smallest set whose probability reaches top_p; (V,) -> (V,).
 
-    Everything else becomes -inf. The most likely token always survives.
+    Everything else becomes -inf. The most likely token always survives. The nucleus is found among the likeliest
+    256 tokens (`torch.topk`, 0.1 ms for 49,152 logits) whenever they hold top_p of the mass, as they do for a
+    language model's typical distribution, else among 8x as many, else all of them; sorting all 49,152 (the
+    definition, tested against) takes 3.5 ms a token (AMD EPYC Zen 4, 2026-12-04).
     """
-    if top_k > 0 and top_k < logits.shape[-1]:
+    vocab = logits.shape[-1]
+    if top_k > 0 and top_k < vocab:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)
-        drop_sorted = cumulative - torch.softmax(sorted_logits, -1) >= top_p  # mass before this token already >= p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = torch.softmax(logits, -1)
+        k = min(NUCLEUS_FIRST, vocab)
+        best = torch.topk(probs, k)  # sorted, likeliest first
+        while k < vocab and float(best.values.sum()) < top_p:
+            k = k * 8 if k * 8 <= vocab // 16 else vocab  # a large partial sort costs as much as sorting all
+            best = torch.topk(probs, k)
+        before = best.values.cumsum(-1) - best.values  # the mass of the likelier tokens before each
+        kept = best.indices[: int((before < top_p).sum())]
+        drop = torch.ones_like(logits, dtype=torch.bool)
+        drop[kept] = False
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
