@@ -150,35 +150,46 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
-# top-p looks for its nucleus among the likeliest NUCLEUS_FIRST tokens, then 8x as many, before sorting them all
+# top-p looks for its nucleus among the likeliest NUCLEUS_FIRST tokens, then 8x as many, then among all
 NUCLEUS_FIRST = 256
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Keeps the top_k largest logits, then the smallest set whose probability reaches top_p; (V,) -> (V,).
+def kept_tokens(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor | None:
+    """The ids (1-D) of the tokens that top_k, then top_p, keep of logits (V,); None when both keep every token.
 
-    Everything else becomes -inf. The most likely token always survives. The nucleus is found among the likeliest
-    256 tokens (`torch.topk`, 0.1 ms for 49,152 logits) whenever they hold top_p of the mass, as they do for a
-    language model's typical distribution, else among 8x as many, else all of them; sorting all 49,152 (the
-    definition, tested against) takes 3.5 ms a token (AMD EPYC Zen 4, 2026-12-04).
+    top_k keeps the tokens at least as large as the k-th largest logit (ties with it too); top_p then the smallest
+    set, likeliest first, whose probability reaches top_p. The most likely token always survives. The nucleus is
+    found among the likeliest 256 tokens (`torch.topk`, 0.1 ms for 49,152 logits) whenever they hold top_p of the
+    mass, as they do for a language model's typical distribution, else among 8x as many, else all of them; sorting
+    all 49,152 (the definition, tested against) takes 3.5 ms a token (AMD EPYC Zen 4, 2026-12-04).
     """
     vocab = logits.shape[-1]
-    if top_k > 0 and top_k < vocab:
+    kept = None
+    if 0 < top_k < vocab:
         kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        kept = (logits >= kth).nonzero().squeeze(-1)
     if top_p < 1.0:
-        probs = torch.softmax(logits, -1)
-        k = min(NUCLEUS_FIRST, vocab)
+        probs = torch.softmax(logits if kept is None else logits[kept], -1)
+        size = probs.shape[-1]
+        k = min(NUCLEUS_FIRST, size)
         best = torch.topk(probs, k)  # sorted, likeliest first
-        while k < vocab and float(best.values.sum()) < top_p:
-            k = k * 8 if k * 8 <= vocab // 16 else vocab  # a large partial sort costs as much as sorting all
+        while k < size and float(best.values.sum()) < top_p:
+            k = k * 8 if k * 8 <= size // 16 else size  # a large partial sort costs as much as sorting all
             best = torch.topk(probs, k)
         before = best.values.cumsum(-1) - best.values  # the mass of the likelier tokens before each
-        kept = best.indices[: int((before < top_p).sum())]
-        drop = torch.ones_like(logits, dtype=torch.bool)
-        drop[kept] = False
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+        nucleus = best.indices[: int((before < top_p).sum())]
+        kept = nucleus if kept is None else kept[nucleus]
+    return kept
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Keeps the tokens `kept_tokens` keeps; every other logit becomes -inf; (V,) -> (V,)."""
+    kept = kept_tokens(logits, top_k, top_p)
+    if kept is None:
+        return logits
+    drop = torch.ones_like(logits, dtype=torch.bool)
+    drop[kept] = False
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -240,10 +251,19 @@ def sample_index(probs: torch.Tensor, generator: torch.Generator | None = None) 
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from one row of logits (V,)."""
+    """One token id from one row of logits (V,), drawn from `sampling_probs`' distribution; with top-k or top-p,
+    among the kept tokens only (their softmax is that distribution's nonzero part), so that a nucleus of a few
+    hundred tokens costs no pass over the whole vocabulary after it is found."""
     if params.greedy:
         return int(logits.argmax())
-    return sample_index(sampling_probs(logits, params), generator)
+    scaled = logits.float() / params.temperature
+    kept = kept_tokens(scaled, params.top_k, params.top_p)
+    if kept is None:
+        return sample_index(sampling_probs(logits, params), generator)
+    probs = torch.softmax(scaled[kept], -1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+    return int(kept[sample_index(probs, generator)])
 
 
 def adjust_logits(
