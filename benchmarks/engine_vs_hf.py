@@ -23,6 +23,8 @@ them. `--serve-with int4` (or int8, w8a8) runs part 2 on tformer's quantized mod
 round and the greedy check pay the compilation). `--draft int4` (or int8, w8a8) adds a batch-1 row for speculative
 decoding: tformer's `--dtype` model as the target and its quantized copy as the draft
 (`Engine(model, draft=...)`, `--speculative-tokens` per step), whose greedy tokens must be the target's own.
+Part 2 is greedy unless `--temperature T` (and `--top-p P`) samples it on both sides (HF: `do_sample` with its
+temperature and top-p warpers, top_k off; tformer: a seed per request).
 
     .venv/bin/python benchmarks/engine_vs_hf.py [--rounds 3] [--new-tokens 64] [--requests 32] [--dtype bfloat16]
                                                 [--serve-with float|int8|int4|w8a8] [--compile] [--draft int4]
@@ -115,10 +117,15 @@ def workload(tokenizer, n_requests: int, seed: int = 0) -> list[tuple[list[int],
     return requests
 
 
-def run_engine_workload(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[str, float]:
+def run_engine_workload(
+    engine: Engine, requests: list[tuple[list[int], int]], temperature: float = 0.0, top_p: float = 1.0
+) -> dict[str, float]:
     start = time.perf_counter()
     ids = {
-        engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)): m for p, m in requests
+        engine.add_request(
+            p, SamplingParams(max_tokens=m, temperature=temperature, top_p=top_p, seed=i, ignore_eos=True)
+        ): m
+        for i, (p, m) in enumerate(requests)
     }
     latency: dict[str, float] = {}
     kv = {"used": 0, "paged": 0, "per_request": 0, "context": 0}  # token-slots, summed over steps
@@ -142,14 +149,24 @@ def run_engine_workload(engine: Engine, requests: list[tuple[list[int], int]]) -
     }
 
 
-def run_hf_static(hf_model, requests: list[tuple[list[int], int]], pad_id: int) -> dict[str, float]:
+def run_hf_static(
+    hf_model, requests: list[tuple[list[int], int]], pad_id: int, temperature: float = 0.0, top_p: float = 1.0
+) -> dict[str, float]:
     width = max(len(p) for p, _ in requests)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in requests])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in requests])
     longest = max(m for _, m in requests)
+    # sampled: HF's own temperature and top-p warpers, with its default top_k of 50 off, as tformer's
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature else {}
     with torch.inference_mode():
         start = time.perf_counter()
-        hf_model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False)
+        hf_model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            **({"do_sample": False} | sampling),
+        )
         total = time.perf_counter() - start
     return {"seconds": total, "tok_s": sum(m for _, m in requests) / total, "p50": total, "p99": total}
 
@@ -169,6 +186,10 @@ def main() -> None:
         help="tformer's weights in part 2 (default: the same float weights as HF)",
     )
     parser.add_argument("--compile", action="store_true", help="tformer's decode steps through torch.compile")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="part 2 sampled at this temperature on both sides (0: greedy)"
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="part 2's top-p on both sides, when sampled")
     parser.add_argument(
         "--draft",
         choices=QUANT_MODES,
@@ -258,8 +279,12 @@ def serving(model, hf, tokenizer, args) -> None:
         run_engine_workload(Engine(model, tokenizer, config), workload(tokenizer, 3, seed=1))
     runs: dict[str, list[dict[str, float]]] = {"tformer": [], "hf": []}
     steps = {  # a fresh engine each round: no prefix-cache hits from the previous round
-        "tformer": lambda: runs["tformer"].append(run_engine_workload(Engine(model, tokenizer, config), requests)),
-        "hf": lambda: runs["hf"].append(run_hf_static(hf, requests, pad_id=tokenizer.pad_id or 0)),
+        "tformer": lambda: runs["tformer"].append(
+            run_engine_workload(Engine(model, tokenizer, config), requests, args.temperature, args.top_p)
+        ),
+        "hf": lambda: runs["hf"].append(
+            run_hf_static(hf, requests, tokenizer.pad_id or 0, args.temperature, args.top_p)
+        ),
     }
     alternating_timing(steps, rounds=args.rounds, warmup=0)
     ours, theirs = (_median_run(runs[side]) for side in ("tformer", "hf"))
@@ -268,6 +293,7 @@ def serving(model, hf, tokenizer, args) -> None:
         f"{max(len(p) for p, _ in requests)} tokens, outputs {min(m for _, m in requests)}-"
         f"{max(m for _, m in requests)} tokens), HF in {args.dtype}, tformer "
         f"{args.dtype if args.serve_with == 'float' else args.serve_with + ' linear layers, bf16 activations'}; "
+        f"{f'sampled at temperature {args.temperature}, top_p {args.top_p}' if args.temperature else 'greedy'}; "
         f"medians of {args.rounds} alternating rounds (tok/s per round, tformer: {_rates(runs['tformer'])}; "
         f"HF: {_rates(runs['hf'])})"
     )
