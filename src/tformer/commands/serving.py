@@ -116,7 +116,7 @@ def embed(texts: list[str], *, model: str, pooling: str | None = None, normalize
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # weights an embedding does not use (a pooler, a head) are dropped
         net, tokenizer = load_pretrained(model)
-    found = Pooling.default_for(net, model if Path(model).is_dir() else None)
+    found = Pooling.default_for(net, model)
     chosen = Pooling(pooling or found.mode, normalize, found.max_tokens)
     embedder = Embedder(net, tokenizer, chosen)
     for vector in embedder.embed(texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]):

@@ -50,7 +50,8 @@ class Pooling:
 
     @classmethod
     def default_for(cls, model: TransformerModel, directory: str | os.PathLike[str] | None = None) -> Pooling:
-        """A sentence-transformers directory's own pooling, else the family's: mean for encoders, last for decoders."""
+        """A sentence-transformers directory's own pooling, else the family's: mean for encoders, last for decoders
+        (a path that is no such directory, a .gguf file say, gives the family's)."""
         found = _sentence_transformers_pooling(Path(directory)) if directory is not None else None
         return found or cls("last" if isinstance(model, DecoderLM) else "mean")
 
@@ -133,9 +134,12 @@ class Embedder:
             rows.append(ids)
         return rows
 
-    @torch.inference_mode()
     def embed(self, inputs: Sequence[str | Sequence[int]]) -> torch.Tensor:
-        rows = self.token_ids(inputs)
+        return self.embed_ids(self.token_ids(inputs))
+
+    @torch.inference_mode()
+    def embed_ids(self, rows: list[list[int]]) -> torch.Tensor:
+        """The vectors (N, d) of inputs already checked by `token_ids`."""
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         out = torch.empty(len(rows), self.dimensions)
         start = 0

@@ -72,7 +72,7 @@ def add_embedding_routes(app: FastAPI, server: Server) -> None:
         except RequestError as err:
             raise APIError(400, str(err), param="input") from None
         try:
-            vectors = await server.engine.call(lambda: embedder.embed(rows).numpy())
+            vectors = await server.engine.call(lambda: embedder.embed_ids(rows).numpy())
         except EngineStopped as err:
             raise APIError(503, str(err)) from None
         data = [

@@ -48,7 +48,7 @@ def load_engine(
                 f"{model} is an encoder ({net.config.encoder_head} head): it embeds text and generates none; use "
                 "`tformer embed`, or `tformer serve` (without a draft model) for /v1/embeddings"
             )
-        return EmbeddingEngine(net, tokenizer, Pooling.default_for(net, model if os.path.isdir(model) else None))
+        return EmbeddingEngine(net, tokenizer, Pooling.default_for(net, model))
     draft = None
     if draft_model is not None:
         draft, _ = load_quantized(draft_model, draft_quantize, dtype)
