@@ -144,8 +144,8 @@ class Embedder:
         out = torch.empty(len(rows), self.dimensions)
         start = 0
         while start < len(order):
-            width, end = len(rows[order[start]]), start
-            while end < len(order) and len(rows[order[end]]) * (end - start + 1) <= max(self.max_batch_tokens, width):
+            budget, end = max(self.max_batch_tokens, len(rows[order[start]])), start  # a long row runs alone
+            while end < len(order) and len(rows[order[end]]) * (end - start + 1) <= budget:
                 end += 1  # sorted by length: the last row added is the widest
             batch = order[start:end]
             width = len(rows[batch[-1]])
