@@ -166,7 +166,7 @@ def machine_info() -> str:
 
 def kernel_paths() -> str:
     """Which attention and integer-matmul kernels tformer's engine runs on this machine, for a report's header."""
-    from tformer.inference import causal_attention, elementwise, int4, paged_attention, w8a8
+    from tformer.kernels import causal_attention, elementwise, int4, paged_attention, w8a8
 
     if paged_attention.kernel() is None:
         attention = "gathered keys and values (the in-place kernel is unavailable here)"

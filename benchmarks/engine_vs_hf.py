@@ -57,8 +57,8 @@ from conftest import smollm2_path  # noqa: E402
 from tformer.data.corpora import bible_text  # noqa: E402
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tformer.inference.bench import copy_bandwidth  # noqa: E402
-from tformer.inference.quantize import QUANT_MODES, WEIGHT_DTYPES, model_bytes, set_precision  # noqa: E402
 from tformer.interop.loading import load_pretrained  # noqa: E402
+from tformer.kernels.quantize import QUANT_MODES, WEIGHT_DTYPES, model_bytes, set_precision  # noqa: E402
 
 
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:

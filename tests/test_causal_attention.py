@@ -7,11 +7,11 @@ import torch
 from conftest import make_model, tiny_config
 from helpers import greedy_within_rounding, prompts_of_mixed_lengths
 
-from tformer.inference import causal_attention as module
 from tformer.inference import packing
-from tformer.inference.causal_attention import causal_attention, kernel, lane_width
 from tformer.inference.engine import Engine, EngineConfig
 from tformer.inference.sampling import SamplingParams
+from tformer.kernels import causal_attention as module
+from tformer.kernels.causal_attention import causal_attention, kernel, lane_width
 
 pytestmark = pytest.mark.skipif(kernel() is None or lane_width() == 0, reason="no C++ compiler or vector lanes")
 

@@ -122,7 +122,7 @@ def test_generate_streams_what_the_engine_generates(tmp_path, capsys):
     from tformer import ModelConfig, build_model
     from tformer.data.tokenizer import Tokenizer
     from tformer.inference import Engine, SamplingParams
-    from tformer.inference.quantize import W8A8Linear, set_precision
+    from tformer.kernels.quantize import W8A8Linear, set_precision
     from tformer.serve.loading import load_engine
 
     texts = ["the cat sat on the mat", "a dog ran in the park", "the sun is warm today"] * 20

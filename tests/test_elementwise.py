@@ -14,7 +14,7 @@ from conftest import make_model, tiny_config
 from helpers import greedy_within_rounding
 
 from tformer.inference import Engine, EngineConfig, SamplingParams, elementwise
-from tformer.inference.quantize import set_precision
+from tformer.kernels.quantize import set_precision
 from tformer.layers.attention import Attention
 from tformer.layers.ffn import GatedMLP
 from tformer.layers.norms import RMSNorm

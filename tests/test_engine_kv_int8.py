@@ -13,13 +13,13 @@ from conftest import make_model, tiny_config
 from helpers import prompts_of_mixed_lengths, reference_greedy
 
 from tformer.config import ConfigError
-from tformer.inference import kv_int8
 from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.kv_int8 import dequantize_int8, quantize_int8
 from tformer.inference.paged import PagedKVCache, kv_bytes_per_token
-from tformer.inference.paged_attention import available
-from tformer.inference.quantize import set_precision
 from tformer.inference.sampling import SamplingParams
+from tformer.kernels import kv_int8
+from tformer.kernels.kv_int8 import dequantize_int8, quantize_int8
+from tformer.kernels.paged_attention import available
+from tformer.kernels.quantize import set_precision
 from tformer.layers.kv_cache import LayerCache
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

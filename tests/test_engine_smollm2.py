@@ -10,8 +10,8 @@ import torch
 from helpers import greedy_within_rounding, reference_greedy
 
 from tformer.inference import Engine, EngineConfig, SamplingParams
-from tformer.inference.quantize import quantize, set_precision
 from tformer.inference.speculative import SpeculativeStats, speculative_generate
+from tformer.kernels.quantize import quantize, set_precision
 
 N_TOKENS = 12
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea, please."]

@@ -11,8 +11,8 @@ from conftest import make_model, tiny_config
 from helpers import greedy_within_rounding
 from torch import nn
 
-from tformer.inference.fp8 import Fp8Linear, e4m3_bits_as, fp8_matmul, to_e4m3
-from tformer.inference.quantize import dequantize_linear, model_bytes, set_precision
+from tformer.kernels.fp8 import Fp8Linear, e4m3_bits_as, fp8_matmul, to_e4m3
+from tformer.kernels.quantize import dequantize_linear, model_bytes, set_precision
 
 ALL_BYTES = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn)
 FINITE = ~ALL_BYTES.float().isnan()  # e4m3fn has no infinities; bytes 0x7f and 0xff are NaN

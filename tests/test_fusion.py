@@ -1,4 +1,4 @@
-"""Fused projections for serving (inference/fusion.py): q/k/v and gate/up joined by output rows must compute what
+"""Fused projections for serving (kernels/fusion.py): q/k/v and gate/up joined by output rows must compute what
 the separate layers compute, in fp32 and in every quantized format, and leave what cannot be joined alone."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from conftest import make_model, tiny_config
 from helpers import reference_greedy
 
 from tformer.inference import Engine, EngineConfig, SamplingParams
-from tformer.inference.fusion import concat_linears, fuse_projections
-from tformer.inference.int4 import Int4Linear
-from tformer.inference.quantize import set_precision
+from tformer.kernels.fusion import concat_linears, fuse_projections
+from tformer.kernels.int4 import Int4Linear
+from tformer.kernels.quantize import set_precision
 from tformer.layers.attention import Attention
 from tformer.layers.ffn import GatedMLP
 

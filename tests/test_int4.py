@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from tformer.inference import int4
-from tformer.inference.int4 import BLOCK, Int4Linear, dequantize, int4_matmul, kernel, pack, unpack
+from tformer.kernels import int4
+from tformer.kernels.int4 import BLOCK, Int4Linear, dequantize, int4_matmul, kernel, pack, unpack
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="no C++ compiler to build the kernel with")
 

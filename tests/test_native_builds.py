@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from tformer.inference import native
+from tformer.kernels import native
 
 COMPILER = os.environ.get("CXX", "g++")
 TARGETS = {  # the path each kernel takes there: -march value

@@ -8,11 +8,11 @@ import torch
 from conftest import make_model, tiny_config
 from helpers import DECODERS, prompts_of_mixed_lengths, reference_greedy
 
-from tformer.inference import paged_attention
 from tformer.inference.engine import Engine, EngineConfig
 from tformer.inference.paged import PagedLayerKV
-from tformer.inference.paged_attention import kernel, paged_decode_attention
 from tformer.inference.sampling import SamplingParams
+from tformer.kernels import paged_attention
+from tformer.kernels.paged_attention import kernel, paged_decode_attention
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="no C++ compiler to build the kernel with")
 

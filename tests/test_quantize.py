@@ -10,7 +10,7 @@ from conftest import make_model, tiny_config
 from helpers import greedy_within_rounding, reference_greedy
 from torch import nn
 
-from tformer.inference.quantize import Int4Linear, Int8Linear, W8A8Linear, model_bytes, quantize
+from tformer.kernels.quantize import Int4Linear, Int8Linear, W8A8Linear, model_bytes, quantize
 
 QUANTIZED = (Int8Linear, Int4Linear, W8A8Linear)
 
@@ -179,7 +179,7 @@ def test_engine_serves_a_quantized_model_like_its_uncached_forward(mode: str, dt
 def test_set_precision_casts_or_quantizes_and_refuses_bad_choices() -> None:
     from tformer import ModelConfig, build_model
     from tformer.config import ConfigError
-    from tformer.inference.quantize import Int8Linear, set_precision
+    from tformer.kernels.quantize import Int8Linear, set_precision
 
     model = build_model(ModelConfig.from_preset("tiny-llama"))
     assert {p.dtype for p in set_precision(model, "bfloat16").parameters()} == {torch.bfloat16}

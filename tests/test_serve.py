@@ -20,8 +20,8 @@ from serve_helpers import CMPL, NAME, TEXTS, USER, LiveServer, assert_openai_err
 
 from tformer.errors import ConfigError
 from tformer.inference import Engine, EngineConfig, RequestError, SamplingParams
-from tformer.inference.quantize import set_precision
 from tformer.interop.loading import load_pretrained
+from tformer.kernels.quantize import set_precision
 from tformer.serve import AsyncEngine, EngineStopped
 
 

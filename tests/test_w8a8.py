@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from tformer.inference import w8a8
-from tformer.inference.w8a8 import W8A8Linear, kernel, pack, unpack, w8a8_formula, w8a8_matmul
+from tformer.kernels import w8a8
+from tformer.kernels.w8a8 import W8A8Linear, kernel, pack, unpack, w8a8_formula, w8a8_matmul
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="no C++ compiler to build the kernel with")
 

@@ -18,7 +18,7 @@ from tformer.models import build_model
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 # Bytes stored beside each token's key or value vector of a KV head: the engine's int8 cache keeps a float32 scale
-# there (`--kv-cache-dtype int8`, inference/kv_int8.py), so that `info` counts what the engine allocates.
+# there (`--kv-cache-dtype int8`, kernels/kv_int8.py), so that `info` counts what the engine allocates.
 SCALE_BYTES = {"int8": 4}
 
 

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from tformer.inference.engine import Engine
-from tformer.inference.quantize import Int4Linear, Int8Linear, W8A8Linear, model_bytes
 from tformer.inference.sampling import SamplingParams
+from tformer.kernels.quantize import Int4Linear, Int8Linear, W8A8Linear, model_bytes
 
 
 @dataclass

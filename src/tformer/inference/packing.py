@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tformer.inference.causal_attention import causal_attention
 from tformer.inference.paged import LayerTensors, PagedKVCache, PagedLayerKV
+from tformer.kernels.causal_attention import causal_attention
 from tformer.layers.attention import sdpa_attention
 from tformer.layers.masks import build_mask
 

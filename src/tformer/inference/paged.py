@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from tformer.inference.blocks import BlockCopy
-from tformer.inference.kv_int8 import SCALE_BYTES, dequantize_int8, quantize_int8, read_rounded, store_rounded
-from tformer.inference.paged_attention import paged_decode_attention, supports
+from tformer.kernels.kv_int8 import SCALE_BYTES, dequantize_int8, quantize_int8, read_rounded, store_rounded
+from tformer.kernels.paged_attention import paged_decode_attention, supports
 from tformer.layers.kv_cache import zeroed
 from tformer.models import TransformerModel
 

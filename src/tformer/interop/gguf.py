@@ -276,7 +276,7 @@ def from_gguf(
 def q4_1_linears(reader: GGUFFile) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """tformer parameter name -> (q, scales, minimums) of each layer's linear weight the file stores as Q4_1,
     with llama.cpp's q/k row permutation undone: what an INT4 layer takes without a round trip through float.
-    The output head is left out: INT4 serving gives it 8 bits (`tformer.inference.quantize.quantize`)."""
+    The output head is left out: INT4 serving gives it 8 bits (`tformer.kernels.quantize.quantize`)."""
     config = config_from_gguf(reader, reader.path)
     names = tensor_names(config)
     groups = {}

@@ -234,7 +234,7 @@ class Attention(nn.Module):
         self.heads = slice(None)  # the query heads this module computes: all of them unless sharded
         self.query_scale = 1.0 if config.scale_attention else math.sqrt(self.head_dim)
         # For serving: the rotary embedding in one fused kernel, which gives None where it does not apply
-        # (`tformer.inference.elementwise`)
+        # (`tformer.kernels.elementwise`)
         self.fused_rotary: Callable[[torch.Tensor, Rotary], torch.Tensor | None] | None = None
 
     def forward(
@@ -328,7 +328,7 @@ class Attention(nn.Module):
 
     def fuse_projections(self, concat: Callable[[list[nn.Module]], nn.Module | None]) -> None:
         """For serving: queries, keys and values of self-attention come from one layer, one matmul instead of
-        three on the same input; `concat` joins layers by their output rows (`tformer.inference.fusion`), or
+        three on the same input; `concat` joins layers by their output rows (`tformer.kernels.fusion`), or
         gives None for layers it cannot join, which leaves this module as it is. Otherwise the
         three layers are dropped, so this module no longer trains, loads or saves q_proj / k_proj / v_proj.
         Cross-attention keeps them: its queries and its keys and values read different inputs."""

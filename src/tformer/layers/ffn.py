@@ -44,7 +44,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.ffn_bias)
         self.gate_up_proj: nn.Module | None = None  # gate and up in one layer, for serving: `fuse_projections`
         # For serving: act(gate) * up in one fused kernel, which gives None where it does not apply
-        # (`tformer.inference.elementwise`)
+        # (`tformer.kernels.elementwise`)
         self.fused_gate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         # For serving: a fused kernel of the same formula, which gives None where it does not apply
-        # (`tformer.inference.elementwise`)
+        # (`tformer.kernels.elementwise`)
         self.fused: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tformer.inference import native
+from tformer.kernels import native
 
 INT8_LEVELS = 127  # a key's or value's int8 numbers are round(x / scale), scale = largest |x| / 127
 SCALE_BYTES = 4  # each vector's scale is a float32

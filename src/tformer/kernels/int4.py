@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tformer.inference import native
-from tformer.inference.fusion import concat_bias
+from tformer.kernels import native
+from tformer.kernels.fusion import concat_bias
 
 TILE, BLOCK, CHUNK = 16, 32, 320  # output rows and input columns a chunk holds, and its bytes
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)

@@ -20,7 +20,7 @@ import functools
 import torch
 from torch import nn
 
-from tformer.inference import native
+from tformer.kernels import native
 from tformer.layers.attention import Attention
 from tformer.layers.ffn import GatedMLP
 from tformer.layers.norms import RMSNorm

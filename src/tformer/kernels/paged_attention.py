@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from tformer.inference import native
+from tformer.kernels import native
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 

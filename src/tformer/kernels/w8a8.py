@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tformer.inference import native
+from tformer.kernels import native
 
 TILE = 16  # output rows a 64-byte group holds
 FINE = 254  # with `fine`, the second rounding's steps per step of the first

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from tformer.config import ConfigError
-from tformer.inference.elementwise import use_fused_elementwise
-from tformer.inference.fp8 import Fp8Linear
-from tformer.inference.fusion import fuse_projections
-from tformer.inference.int4 import Int4Linear
-from tformer.inference.w8a8 import W8A8Linear
+from tformer.kernels.elementwise import use_fused_elementwise
+from tformer.kernels.fp8 import Fp8Linear
+from tformer.kernels.fusion import fuse_projections
+from tformer.kernels.int4 import Int4Linear
+from tformer.kernels.w8a8 import W8A8Linear
 
 QUANT_MODES = ("int8", "int4", "w8a8", "fp8")
 

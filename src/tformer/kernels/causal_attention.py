@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from tformer.inference import native
+from tformer.kernels import native
 
 UNAVAILABLE = "the causal attention kernel is unavailable: prompt chunks attend through torch's SDPA"
 kernel, available, _ = native.op_library("causal_attention", UNAVAILABLE, switch="TFORMER_CAUSAL_ATTENTION")
