@@ -34,7 +34,7 @@ flash attention, which a quantized value cache needs); tformer's perplexity is t
 rounded as that cache stores them, llama.cpp's is read with its q8_0 cache.
 
 The bandwidth share is weight bytes read per decode token x decode tokens/s / measured large-copy bandwidth
-(`tformer.inference.bench.copy_bandwidth`, which counts the bytes read and the bytes written). A pure read of a
+(`tformer.engine.bench.copy_bandwidth`, which counts the bytes read and the bytes written). A pure read of a
 large tensor (`read_bandwidth`, torch.sum) is printed beside it: no decoder that streams its weights can
 read faster, so its share of the copy bandwidth caps the BW share column. Bytes read per token: llama.cpp,
 every tensor as stored in the file (the Q8_0 embedding is read whole, as the output head); tformer, every
@@ -75,9 +75,9 @@ from engine_vs_hf import chat_ids, read_bandwidth  # noqa: E402
 from test_engine_kv_int8 import StoredAsInt8  # noqa: E402
 from test_interop_gguf import john_1, perplexity  # noqa: E402
 
-from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
-from tformer.inference.bench import copy_bandwidth, weight_bytes_per_token  # noqa: E402
-from tformer.inference.paged import KV_CACHE_DTYPES  # noqa: E402
+from tformer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from tformer.engine.bench import copy_bandwidth, weight_bytes_per_token  # noqa: E402
+from tformer.engine.paged import KV_CACHE_DTYPES  # noqa: E402
 from tformer.interop.loading import load_pretrained  # noqa: E402
 from tformer.kernels.quantize import model_bytes, set_precision  # noqa: E402
 from tformer.layers.kv_cache import LayerCache  # noqa: E402

@@ -31,7 +31,7 @@ import torch
 from common import cpu_flags, load_report, median, median_seconds, set_threads
 
 from tformer.data import Seq2SeqBatch, Tokenizer, bible_pairs
-from tformer.inference import translate_ids
+from tformer.decoding import translate_ids
 from tformer.models import load
 from tformer.training.checkpoint import resolve_checkpoint
 from tformer.training.evaluate import evaluate_translation

@@ -15,9 +15,9 @@ import random
 import statistics
 import time
 
-from tformer.inference.blocks import BlockAllocator
-from tformer.inference.sampling import SamplingParams
-from tformer.inference.scheduler import Scheduler, Sequence
+from tformer.engine.blocks import BlockAllocator
+from tformer.engine.sampling import SamplingParams
+from tformer.engine.scheduler import Scheduler, Sequence
 
 
 def cost_per_step(length: int, steps: int, block_size: int) -> float:

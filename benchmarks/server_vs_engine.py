@@ -43,9 +43,9 @@ from common import kernel_paths, load_report, machine_info, thread_cpu_seconds, 
 from conftest import smollm2_path  # noqa: E402
 from server_vs_llamacpp import RunningServer, chat_prompts, free_port, request_bodies, tformer_side  # noqa: E402
 
+from tformer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from tformer.engine.loading import load_engine, warm_up  # noqa: E402
 from tformer.files import cache_dir  # noqa: E402
-from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
-from tformer.serve.loading import load_engine, warm_up  # noqa: E402
 
 SERVER, ENGINE = "tformer serve, 1 client", "engine alone"
 

@@ -42,7 +42,7 @@ from common import kernel_paths, load_report, machine_info  # noqa: E402
 from conftest import smollm2_path  # noqa: E402
 from engine_vs_hf import chat_ids, workload  # noqa: E402
 
-from tformer.inference import Engine, EngineConfig, SamplingParams  # noqa: E402
+from tformer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tformer.interop.loading import load_pretrained  # noqa: E402
 from tformer.kernels.quantize import set_precision  # noqa: E402
 
@@ -50,8 +50,8 @@ KERNELS = ("int4", "w8a8", "paged_attention")
 
 
 def variant_switch(kernel: str):
-    """The `set_variant(int)` that a temporary build of tformer.inference.<kernel> exports."""
-    library = importlib.import_module(f"tformer.inference.{kernel}").kernel()
+    """The `set_variant(int)` that a temporary build of tformer.engine.<kernel> exports."""
+    library = importlib.import_module(f"tformer.engine.{kernel}").kernel()
     if library is None:
         raise SystemExit(f"the {kernel} kernel could not be built here (see the log above)")
     try:

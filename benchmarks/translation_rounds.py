@@ -13,7 +13,7 @@ from marian_side import MAX_POSITIONS, BatchStream, Side, mean_loss
 from torch import nn
 
 from tformer.data import Tokenizer
-from tformer.inference import translate_ids
+from tformer.decoding import translate_ids
 
 EXTRA_LEN, DECODE_BATCH = 50, 32  # translate_ids' defaults: at most len(source) + 50 tokens, 32 sentences a batch
 

@@ -17,10 +17,11 @@ import uvicorn
 
 from tformer import ModelConfig, build_model
 from tformer.data.tokenizer import Tokenizer
-from tformer.inference import Completion, Engine, EngineConfig, SamplingParams
+from tformer.engine import Completion, Engine, EngineConfig, SamplingParams
+from tformer.engine.async_engine import AsyncEngine
 from tformer.interop.loading import load_pretrained
 from tformer.kernels.quantize import set_precision
-from tformer.serve import AsyncEngine, create_app
+from tformer.serve import create_app
 
 # ---- serving: a tiny checkpoint, a live server, and the offline reference ---------------------------------------
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from conftest import make_model, tiny_config
 
-from tformer.inference.blocks import BlockAllocator, BlockHash
-from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.sampling import SamplingParams
-from tformer.inference.search import beam_search_decoder
+from tformer.decoding.search import beam_search_decoder
+from tformer.engine.blocks import BlockAllocator, BlockHash
+from tformer.engine.engine import Engine, EngineConfig
+from tformer.engine.sampling import SamplingParams
 
 
 def test_a_beam_step_keys_only_the_block_that_filled(monkeypatch) -> None:

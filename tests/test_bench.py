@@ -7,8 +7,8 @@ import torch
 from conftest import make_model, tiny_config
 from torch import nn
 
-from tformer.inference import Engine, EngineConfig
-from tformer.inference.bench import bench_engine, format_bench, remedies, weight_bytes_per_token
+from tformer.engine import Engine, EngineConfig
+from tformer.engine.bench import bench_engine, format_bench, remedies, weight_bytes_per_token
 from tformer.kernels.quantize import set_precision
 
 

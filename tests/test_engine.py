@@ -7,12 +7,12 @@ import torch
 from conftest import make_model, tiny_config
 from helpers import DECODERS, prompts_of_mixed_lengths, reference_greedy
 
-from tformer.inference import packing, runner
-from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.paged import PagedKVCache
-from tformer.inference.runner import StepBatch, group_by_width
-from tformer.inference.sampling import RequestError, SamplingParams
-from tformer.inference.search import beam_search, beam_search_decoder, greedy_search
+from tformer.decoding.search import beam_search, beam_search_decoder, greedy_search
+from tformer.engine import packing, runner
+from tformer.engine.engine import Engine, EngineConfig
+from tformer.engine.paged import PagedKVCache
+from tformer.engine.runner import StepBatch, group_by_width
+from tformer.engine.sampling import RequestError, SamplingParams
 from tformer.layers import attention, masks
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -350,7 +350,7 @@ def test_abort_frees_blocks() -> None:
 
 
 def test_block_pool_reference_counts_and_lru_eviction() -> None:
-    from tformer.inference.blocks import BlockAllocator, NoFreeBlocks
+    from tformer.engine.blocks import BlockAllocator, NoFreeBlocks
 
     allocator = BlockAllocator(num_blocks=4, block_size=2)
     a: list[int] = []
@@ -377,8 +377,8 @@ def test_block_pool_reference_counts_and_lru_eviction() -> None:
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_copy_on_write_copies_the_block_contents(kv_cache_dtype: str) -> None:
     """Keys, values and (in an int8 cache) their scales: block 2 reads back what block 0 holds."""
-    from tformer.inference.blocks import BlockCopy
-    from tformer.inference.paged import PagedKVCache
+    from tformer.engine.blocks import BlockCopy
+    from tformer.engine.paged import PagedKVCache
 
     kv = PagedKVCache(2, 3, 2, n_kv_heads=1, head_dim=3, dtype=torch.float32, kv_cache_dtype=kv_cache_dtype)
     for layer in kv.layers:
@@ -393,7 +393,7 @@ def test_copy_on_write_copies_the_block_contents(kv_cache_dtype: str) -> None:
 def test_a_kv_pool_is_zeros_and_takes_memory_only_where_written() -> None:
     """The pool's pages come from the OS as zeros and are backed when written (layers.kv_cache.zeroed): a 512 MiB
     pool neither takes 512 MiB nor the time to clear it, and what is written reads back beside zeros."""
-    from tformer.inference.paged import PagedKVCache
+    from tformer.engine.paged import PagedKVCache
     from tformer.training.memory import rss_bytes
 
     before = rss_bytes()
@@ -408,7 +408,7 @@ def test_a_kv_pool_is_zeros_and_takes_memory_only_where_written() -> None:
 
 
 def test_top_k_top_p_filter_matches_the_definition() -> None:
-    from tformer.inference.sampling import filter_logits
+    from tformer.engine.sampling import filter_logits
 
     logits = torch.log(torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15]))
     kept = torch.isfinite(filter_logits(logits, top_k=0, top_p=0.75)).tolist()
@@ -420,7 +420,7 @@ def test_top_k_top_p_filter_matches_the_definition() -> None:
 
 
 def test_sampled_tokens_follow_the_tempered_distribution() -> None:
-    from tformer.inference.sampling import make_generator, sample_token
+    from tformer.engine.sampling import make_generator, sample_token
 
     logits = torch.tensor([1.0, 0.0, -1.0, 2.0])
     params = SamplingParams(temperature=0.7)
@@ -464,7 +464,7 @@ def test_a_vanishing_temperature_is_greedy_and_a_bad_prompt_is_a_request_error()
 
 
 def test_prompt_chunks_of_similar_widths_share_a_forward() -> None:
-    from tformer.inference.scheduler import Sequence
+    from tformer.engine.scheduler import Sequence
 
     items = [(Sequence(str(n), [0] * n, GREEDY), n) for n in (1, 20, 13, 7, 1, 6, 40)]
     groups = [[n for _, n in group] for group in group_by_width(items)]

@@ -9,12 +9,12 @@ import torch
 from conftest import make_model, tiny_config
 from helpers import prompts_of_mixed_lengths, reference_greedy
 
-from tformer.inference import blocks
-from tformer.inference.blocks import BlockAllocator, BlockHash
-from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.sampling import SamplingParams
-from tformer.inference.scheduler import Scheduler, Sequence
-from tformer.inference.search import beam_search_decoder
+from tformer.decoding.search import beam_search_decoder
+from tformer.engine import blocks
+from tformer.engine.blocks import BlockAllocator, BlockHash
+from tformer.engine.engine import Engine, EngineConfig
+from tformer.engine.sampling import SamplingParams
+from tformer.engine.scheduler import Scheduler, Sequence
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 

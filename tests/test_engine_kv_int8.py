@@ -13,9 +13,9 @@ from conftest import make_model, tiny_config
 from helpers import prompts_of_mixed_lengths, reference_greedy
 
 from tformer.config import ConfigError
-from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.paged import PagedKVCache, kv_bytes_per_token
-from tformer.inference.sampling import SamplingParams
+from tformer.engine.engine import Engine, EngineConfig
+from tformer.engine.paged import PagedKVCache, kv_bytes_per_token
+from tformer.engine.sampling import SamplingParams
 from tformer.kernels import kv_int8
 from tformer.kernels.kv_int8 import dequantize_int8, quantize_int8
 from tformer.kernels.paged_attention import available
@@ -154,7 +154,7 @@ def test_int8_engine_gives_the_same_tokens_through_the_gather_path(monkeypatch: 
     prompts = prompts_of_mixed_lengths(model.config.vocab_size)
     config = EngineConfig(block_size=4, kv_cache_dtype="int8")
     in_place = run(Engine(model, config=config), prompts)
-    monkeypatch.setattr("tformer.inference.paged.supports", lambda dtype, device: False)
+    monkeypatch.setattr("tformer.engine.paged.supports", lambda dtype, device: False)
     engine = Engine(model, config=config)
     gathered = run(engine, prompts)
     assert gathered == in_place == [int8_kv_greedy(model, p, GREEDY.max_tokens) for p in prompts]

@@ -11,8 +11,8 @@ import torch
 from conftest import make_model, tiny_config
 from helpers import prompts_of_mixed_lengths
 
-from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.sampling import RequestError, SamplingParams, sampling_probs
+from tformer.engine.engine import Engine, EngineConfig
+from tformer.engine.sampling import RequestError, SamplingParams, sampling_probs
 
 
 @pytest.fixture(scope="module")

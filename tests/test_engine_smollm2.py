@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import greedy_within_rounding, reference_greedy
 
-from tformer.inference import Engine, EngineConfig, SamplingParams
-from tformer.inference.speculative import SpeculativeStats, speculative_generate
+from tformer.engine import Engine, EngineConfig, SamplingParams
+from tformer.engine.speculative import SpeculativeStats, speculative_generate
 from tformer.kernels.quantize import quantize, set_precision
 
 N_TOKENS = 12

@@ -12,8 +12,8 @@ from conftest import make_model, tiny_config
 from helpers import DECODERS, chi_square, prompts_of_mixed_lengths, reference_greedy, top2_gap
 
 from tformer.config import ConfigError
-from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.sampling import SamplingParams
+from tformer.engine.engine import Engine, EngineConfig
+from tformer.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 

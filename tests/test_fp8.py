@@ -108,7 +108,7 @@ def test_set_precision_fp8_replaces_every_linear_and_shrinks_the_model() -> None
 def test_engine_serves_a_fp8_model_like_its_uncached_forward(dtype: str) -> None:
     """Decode steps of one row multiply in fp16, prefill and the uncached forward in bf16: greedy tokens up to
     two bf16 steps at the largest logit, as for the other 16-bit paths."""
-    from tformer.inference import Engine, EngineConfig, SamplingParams
+    from tformer.engine import Engine, EngineConfig, SamplingParams
 
     model = set_precision(make_model(tiny_config("tiny-llama", vocab_size=96)), dtype, "fp8")
     prompts = [[5, 6, 7, 8, 9], [3, 4], list(range(1, 18))]

@@ -10,7 +10,7 @@ import torch
 from conftest import make_model, tiny_config
 from helpers import reference_greedy
 
-from tformer.inference import Engine, EngineConfig, SamplingParams
+from tformer.engine import Engine, EngineConfig, SamplingParams
 from tformer.kernels.fusion import concat_linears, fuse_projections
 from tformer.kernels.int4 import Int4Linear
 from tformer.kernels.quantize import set_precision

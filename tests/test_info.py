@@ -35,7 +35,7 @@ def test_kv_cache_gqa_and_sliding_window():
 def test_int8_kv_bytes_are_what_the_engine_allocates():
     """`info --kv-dtype int8` counts the float32 scale the engine keeps per head vector: SmolLM2-135M's figure is the
     engine's own `kv_bytes_per_token` for an int8 cache."""
-    from tformer.inference.paged import kv_bytes_per_token
+    from tformer.engine.paged import kv_bytes_per_token
 
     config = ModelConfig.from_preset("smollm2-135m")
     info = model_info(config, context=2048, kv_dtype="int8")

@@ -19,7 +19,7 @@ from conftest import tokens
 from hf_cases import CASES
 
 from tformer import TransformerModel
-from tformer.inference.search import greedy_search
+from tformer.decoding.search import greedy_search
 from tformer.interop.hf import DroppedWeightsWarning, from_hf, to_hf
 
 transformers = pytest.importorskip("transformers")

@@ -13,9 +13,9 @@ from helpers import prompts_of_mixed_lengths, reference_greedy
 
 import tformer
 from tformer import ModelConfig
+from tformer.engine.engine import Engine, EngineConfig
+from tformer.engine.sampling import SamplingParams
 from tformer.errors import ConfigError
-from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.sampling import SamplingParams
 from tformer.layers.linear_attention import (
     CHUNK,
     PerformerAttention,

@@ -90,10 +90,10 @@ def test_int4_from_q4_1_keeps_the_files_values_and_serves_like_requantizing() ->
     float load quantized afterwards, which finds the same groups here (measured: equal, max |delta| 0.0)."""
     from conftest import smollm2_path
 
+    from tformer.engine.loading import load_quantized
     from tformer.interop.gguf import dequantize_tensor, open_gguf
     from tformer.interop.loading import load_pretrained
     from tformer.kernels.quantize import Int4Linear, set_precision
-    from tformer.serve.loading import load_quantized
 
     path = smollm2_path()
     direct, tokenizer = load_quantized(path, "int4")
@@ -116,7 +116,7 @@ def test_loading_in_the_serving_dtype_maps_the_file_and_equals_casting_afterward
     """A bf16 checkpoint loaded as bf16 stays mapped (no float32 copy on the way) and equals loading it as
     float32 and casting; `load_engine` asks for the serving dtype at load time (its fused projections are
     joined copies; the layers it keeps, such as down_proj, stay mapped)."""
-    from tformer.serve.loading import load_engine
+    from tformer.engine.loading import load_engine
 
     make_model(tiny_config("tiny-llama")).to(torch.bfloat16).save(tmp_path)
     direct = load(tmp_path, dtype=torch.bfloat16)

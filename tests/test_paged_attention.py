@@ -8,9 +8,9 @@ import torch
 from conftest import make_model, tiny_config
 from helpers import DECODERS, prompts_of_mixed_lengths, reference_greedy
 
-from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.paged import PagedLayerKV
-from tformer.inference.sampling import SamplingParams
+from tformer.engine.engine import Engine, EngineConfig
+from tformer.engine.paged import PagedLayerKV
+from tformer.engine.sampling import SamplingParams
 from tformer.kernels import paged_attention
 from tformer.kernels.paged_attention import kernel, paged_decode_attention
 
@@ -217,7 +217,7 @@ def test_bf16_decode_in_place_stays_within_a_margin_of_the_gather_path(monkeypat
         return seen
 
     in_place = logits_of_every_step()
-    monkeypatch.setattr("tformer.inference.paged.supports", lambda dtype, device: False)
+    monkeypatch.setattr("tformer.engine.paged.supports", lambda dtype, device: False)
     gathered = logits_of_every_step()
     assert len(in_place) == len(gathered)
     for ours, reference in zip(in_place, gathered, strict=True):

@@ -21,9 +21,11 @@ from starlette.testclient import TestClient
 from tformer import load
 from tformer.cli import main as tformer_main
 from tformer.data.tokenizer import Tokenizer
-from tformer.inference import Engine, SamplingParams, translate_ids
+from tformer.decoding import translate_ids
+from tformer.engine import Engine, SamplingParams
+from tformer.engine.async_engine import AsyncEngine
 from tformer.interop.loading import load_pretrained
-from tformer.serve import AsyncEngine, create_app
+from tformer.serve import create_app
 from tformer.serve.playground import create_dashboard_app
 from tformer.serve.runs import RunsDir
 

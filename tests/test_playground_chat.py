@@ -35,7 +35,7 @@ from playground_helpers import (
 )
 from serve_helpers import Offline
 
-from tformer.inference import SamplingParams
+from tformer.engine import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

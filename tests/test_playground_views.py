@@ -30,7 +30,7 @@ from playground_helpers import (
 
 from tformer import load
 from tformer.data.tokenizer import Tokenizer
-from tformer.inference import translate_ids
+from tformer.decoding import translate_ids
 from tformer.viz.plots import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -157,7 +157,7 @@ def test_bf16_activations_match_the_formula_in_float32(mode: str) -> None:
     ],
 )
 def test_engine_serves_a_quantized_model_like_its_uncached_forward(mode: str, dtype: str) -> None:
-    from tformer.inference import Engine, EngineConfig, SamplingParams
+    from tformer.engine import Engine, EngineConfig, SamplingParams
 
     model = quantize(make_model(tiny_config("tiny-llama", vocab_size=96)), mode, group_size=32)
     model.to(getattr(torch, dtype))
@@ -205,7 +205,7 @@ def test_compiled_decode_of_a_w8a8_model_gives_the_uncached_tokens() -> None:
     """fbgemm's packed weight sits behind a custom op, so the compiled decode step stays one graph."""
     from torch._dynamo.utils import counters
 
-    from tformer.inference import Engine, EngineConfig, SamplingParams
+    from tformer.engine import Engine, EngineConfig, SamplingParams
 
     model = quantize(make_model(tiny_config("tiny-llama", vocab_size=96)), "w8a8")
     prompts = [[5, 6, 7, 8, 9], [3, 4], list(range(1, 18))]

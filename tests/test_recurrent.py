@@ -13,8 +13,8 @@ from conftest import make_model, tokens
 from helpers import trainer, write_recipe
 
 from tformer import ModelConfig, build_model, load
+from tformer.decoding.search import beam_search, greedy_search, length_penalty, translate_ids
 from tformer.errors import ConfigError
-from tformer.inference.search import beam_search, greedy_search, length_penalty, translate_ids
 from tformer.models import LSTMEncoderDecoder
 from tformer.training import evaluate_checkpoint, load_recipe, load_translator
 from tformer.training.checkpoint import resolve_checkpoint

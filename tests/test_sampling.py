@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import chi_square
 
-from tformer.inference.sampling import (
+from tformer.engine.sampling import (
     ARGMAX_CHUNK,
     SamplingParams,
     filter_logits,

@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import make_model, tiny_config, tokens
 
+from tformer.decoding import beam_search, greedy_search, length_penalty, translate_ids
+from tformer.decoding.search import beam_search_decoder
 from tformer.errors import RequestError
-from tformer.inference import beam_search, greedy_search, length_penalty, translate_ids
-from tformer.inference.search import beam_search_decoder
 from tformer.layers.kv_cache import CrossKV
 from tformer.models import DecoderLM, EncoderDecoder
 

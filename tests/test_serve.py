@@ -18,11 +18,11 @@ import openai
 import pytest
 from serve_helpers import CMPL, NAME, TEXTS, USER, LiveServer, assert_openai_error, client, metric
 
+from tformer.engine import Engine, EngineConfig, RequestError, SamplingParams
+from tformer.engine.async_engine import AsyncEngine, EngineStopped
 from tformer.errors import ConfigError
-from tformer.inference import Engine, EngineConfig, RequestError, SamplingParams
 from tformer.interop.loading import load_pretrained
 from tformer.kernels.quantize import set_precision
-from tformer.serve import AsyncEngine, EngineStopped
 
 
 def test_async_engine_streams_then_cancels_everything_on_shutdown(tiny_dir, offline, one_thread) -> None:

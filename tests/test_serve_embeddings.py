@@ -15,9 +15,9 @@ import pytest
 import torch
 from serve_helpers import NAME, USER, LiveServer, client
 
+from tformer.engine.embedding import Embedder, EmbeddingEngine, Pooling
+from tformer.engine.loading import load_engine
 from tformer.errors import ConfigError
-from tformer.inference.embedding import Embedder, EmbeddingEngine, Pooling
-from tformer.serve.loading import load_engine
 
 TEXTS = ["the cat sat on the mat", "a dog", "the sun is warm today and the park is green"]
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from serve_helpers import LiveServer, client
 
-from tformer.inference import Engine, EngineConfig, SamplingParams, StructuredOutput
+from tformer.engine import Engine, EngineConfig, SamplingParams, StructuredOutput
 from tformer.serve.tools import Tool, ToolCalls
 
 NAME = "smollm2"

@@ -7,11 +7,11 @@ import torch
 from conftest import make_model, tiny_config
 from helpers import reference_greedy
 
-from tformer.inference.blocks import FREED
-from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.paged import kv_bytes_per_token
-from tformer.inference.sampling import SamplingParams
-from tformer.inference.search import beam_search_decoder
+from tformer.decoding.search import beam_search_decoder
+from tformer.engine.blocks import FREED
+from tformer.engine.engine import Engine, EngineConfig
+from tformer.engine.paged import kv_bytes_per_token
+from tformer.engine.sampling import SamplingParams
 from tformer.info import model_info
 
 WINDOW = 8

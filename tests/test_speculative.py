@@ -7,8 +7,8 @@ import torch
 from conftest import make_model, tiny_config
 from helpers import chi_square, reference_greedy
 
-from tformer.inference.sampling import RequestError, SamplingParams
-from tformer.inference.speculative import SpeculativeStats, accept_draft, accept_greedy, speculative_generate
+from tformer.engine.sampling import RequestError, SamplingParams
+from tformer.engine.speculative import SpeculativeStats, accept_draft, accept_greedy, speculative_generate
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9] * 13, [1]]
 

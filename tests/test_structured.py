@@ -15,9 +15,9 @@ import regex
 import torch
 from conftest import make_model, tiny_config
 
-from tformer.inference.engine import Engine, EngineConfig
-from tformer.inference.sampling import RequestError, SamplingParams
-from tformer.inference.structured import StructuredOutput
+from tformer.engine.engine import Engine, EngineConfig
+from tformer.engine.sampling import RequestError, SamplingParams
+from tformer.engine.structured import StructuredOutput
 
 PERSON = {
     "type": "object",
@@ -186,6 +186,6 @@ def test_a_refused_token_ends_the_constraint_with_a_warning(smollm2, caplog) -> 
     constraint = engine.inputs.grammars.constraint(StructuredOutput(regex="ab"))
     refused = tokenizer.encode("zz", add_bos=False)[0]
     assert not constraint.allowed()[refused] and not constraint.finished
-    with caplog.at_level("WARNING", logger="tformer.inference.structured"):
+    with caplog.at_level("WARNING", logger="tformer.engine.structured"):
         assert not constraint.advance(refused)
     assert constraint.finished and "was refused" in caplog.text

@@ -15,8 +15,8 @@ import torch
 from conftest import tokens, with_config
 
 from tformer import ModelConfig, TransformerModel, build_model
+from tformer.decoding.search import greedy_search
 from tformer.errors import ConfigError
-from tformer.inference.search import greedy_search
 from tformer.interop.hf import from_hf, to_hf
 from tformer.layers.masks import DENSE_BIAS_MAX_ENTRIES
 from tformer.layers.relative_position import relative_position_bucket

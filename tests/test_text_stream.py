@@ -1,4 +1,4 @@
-"""The streaming detokenizer (inference/text.py) against its reference: the decode of all ids at once.
+"""The streaming detokenizer (engine/text.py) against its reference: the decode of all ids at once.
 
 For real tokenizers (SmolLM2's byte-level BPE from its GGUF, a SentencePiece vocabulary whose characters fall back
 to <0xXX> byte tokens, and a BPE trained on the EN-DE Bible) and texts whose characters span several tokens, the
@@ -19,7 +19,7 @@ from helpers import write_spm_gguf
 
 from tformer.data.corpora import bible_pairs
 from tformer.data.tokenizer import Tokenizer
-from tformer.inference.text import TextTracker
+from tformer.engine.text import TextTracker
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 
 TEXTS = [

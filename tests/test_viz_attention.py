@@ -13,9 +13,9 @@ from conftest import make_model, tiny_config, with_config
 from helpers import assert_png
 
 from tformer.data import Tokenizer
+from tformer.decoding import translate_ids
+from tformer.decoding.attention_map import CrossAttentionMap, cross_attention_map
 from tformer.errors import ConfigError
-from tformer.inference import translate_ids
-from tformer.inference.attention_map import CrossAttentionMap, cross_attention_map
 from tformer.models import EncoderDecoder
 from tformer.viz import attention_figure, plot_cross_attention
 

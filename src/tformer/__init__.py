@@ -13,7 +13,7 @@ from tformer.config import ModelConfig
 from tformer.errors import CheckpointError, ConfigError, DataError, RequestError, TformerError
 
 if TYPE_CHECKING:
-    from tformer.inference import Engine, EngineConfig, SamplingParams
+    from tformer.engine import Engine, EngineConfig, SamplingParams
     from tformer.interop import from_gguf, from_hf, load_pretrained, to_hf, tokenizer_from_gguf
     from tformer.models import TransformerModel, build_model, load
 
@@ -21,9 +21,9 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it, imported when the name is first used
 LAZY_NAMES: dict[str, str] = {
-    "Engine": "tformer.inference",
-    "EngineConfig": "tformer.inference",
-    "SamplingParams": "tformer.inference",
+    "Engine": "tformer.engine",
+    "EngineConfig": "tformer.engine",
+    "SamplingParams": "tformer.engine",
     "from_gguf": "tformer.interop",
     "from_hf": "tformer.interop",
     "load_pretrained": "tformer.interop",

@@ -50,7 +50,7 @@ def viz(kind: str, target: str, *, out: str, length: int = 100, model: str | Non
         if model is None:
             raise ConfigError("'attention' needs --model: a translation checkpoint or training run directory")
         from tformer.data import Tokenizer
-        from tformer.inference.attention_map import cross_attention_map
+        from tformer.decoding.attention_map import cross_attention_map
         from tformer.models import load
         from tformer.training.checkpoint import resolve_checkpoint
 

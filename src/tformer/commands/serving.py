@@ -68,8 +68,8 @@ def generate(
     regex: hold the output to this regular expression (matched whole; \\d is an ASCII digit)
     grammar: hold the output to this grammar, GBNF (llama.cpp's --grammar) or Lark: a file, or the grammar itself
     """
-    from tformer.inference import EngineConfig, SamplingParams
-    from tformer.serve.loading import load_engine
+    from tformer.engine import EngineConfig, SamplingParams
+    from tformer.engine.loading import load_engine
 
     if compile:
         _keep_compiled_kernels()
@@ -110,7 +110,7 @@ def embed(texts: list[str], *, model: str, pooling: str | None = None, normalize
     import json
     import warnings
 
-    from tformer.inference.embedding import Embedder, Pooling
+    from tformer.engine.embedding import Embedder, Pooling
     from tformer.interop.loading import load_pretrained
 
     with warnings.catch_warnings():
@@ -127,7 +127,7 @@ def _structured_output(json_schema: str | None, json_object: bool, regex: str | 
     """`generate`'s constraint from its options (None without one); a file's text where an option names a file."""
     import json
 
-    from tformer.inference import StructuredOutput
+    from tformer.engine import StructuredOutput
 
     def text(value: str | None) -> str | None:
         return Path(value).read_text() if value is not None and Path(value).is_file() else value
@@ -194,7 +194,7 @@ def serve(
     kv_cache_dtype: auto (the model's dtype) or int8 (keys and values as int8 with a scale per token and head:
       about half bf16's bytes, so more tokens fit and long contexts decode faster; perplexity in docs/engine.md)
     """
-    from tformer.inference import EngineConfig
+    from tformer.engine import EngineConfig
     from tformer.serve import run_server
 
     if compile:
@@ -284,9 +284,9 @@ def bench(
     kv_cache_dtype: auto (the model's dtype) or int8 (keys and values as int8 with a scale per token and head:
       about half bf16's bytes, so more tokens fit and long contexts decode faster; perplexity in docs/engine.md)
     """
-    from tformer.inference import EngineConfig
-    from tformer.inference.bench import bench_engine, format_bench, remedies
-    from tformer.serve.loading import load_engine
+    from tformer.engine import EngineConfig
+    from tformer.engine.bench import bench_engine, format_bench, remedies
+    from tformer.engine.loading import load_engine
 
     for name, value in (("batch", batch), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
         if value < (2 if name == "new_tokens" else 1):

@@ -83,7 +83,7 @@ class RecurrentCache:
     """The decoder's state between incremental calls: each LSTM layer's (h, c) and the source memory.
 
     The LSTM's state replaces a KV cache: it is (n_layers, B, H) whatever the prefix length, so decoding a
-    token costs the same at every step. `reorder` is the beam search's hook (inference/search.py).
+    token costs the same at every step. `reorder` is the beam search's hook (decoding/search.py).
     """
 
     def __init__(self, batch_size: int) -> None:

@@ -24,8 +24,8 @@ from starlette.types import Receive, Scope, Send
 
 from tformer.data import DataError
 from tformer.data.tokenizer import Tokenizer
-from tformer.inference import ContextLengthError, RequestOutput, SamplingParams
-from tformer.serve.async_engine import AsyncEngine, EngineStopped
+from tformer.engine import ContextLengthError, RequestOutput, SamplingParams
+from tformer.engine.async_engine import AsyncEngine, EngineStopped
 from tformer.serve.embeddings import add_embedding_routes
 from tformer.serve.errors import APIError, error_body, install_error_handlers
 from tformer.serve.formats import ChatFormat, CompletionFormat, Echo, Sample, new_id, usage

@@ -1,5 +1,5 @@
 """OpenAI's `POST /v1/embeddings` on the served model: one vector per input, pooled from its last hidden states
-(inference/embedding.py: a decoder's last token, an encoder-decoder's mean encoder state, an encoder's mean state or
+(engine/embedding.py: a decoder's last token, an encoder-decoder's mean encoder state, an encoder's mean state or
 its sentence-transformers directory's own pooling; unit length).
 
 Inputs are a string, a list of strings, a list of token ids or a list of such lists (at most 2,048, OpenAI's
@@ -18,9 +18,9 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from tformer.engine.async_engine import EngineStopped
+from tformer.engine.embedding import Embedder
 from tformer.errors import RequestError
-from tformer.inference.embedding import Embedder
-from tformer.serve.async_engine import EngineStopped
 from tformer.serve.errors import APIError
 
 if TYPE_CHECKING:

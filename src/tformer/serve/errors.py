@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from tformer.data import DataError
-from tformer.inference import RequestError
+from tformer.engine import RequestError
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tformer.inference.sampling import TokenLogprob
+from tformer.engine.sampling import TokenLogprob
 from tformer.serve.tools import ToolCalls
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from tformer.serve.async_engine import EngineStats
+from tformer.engine.async_engine import EngineStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 

@@ -22,9 +22,9 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from tformer.decoding.attention_map import CrossAttentionMap, cross_attention_map
+from tformer.engine.async_engine import EngineStopped
 from tformer.errors import TformerError
-from tformer.inference.attention_map import CrossAttentionMap, cross_attention_map
-from tformer.serve.async_engine import EngineStopped
 from tformer.serve.errors import APIError, install_error_handlers
 from tformer.serve.formats import new_id, usage
 from tformer.serve.middleware import ApiKeyMiddleware

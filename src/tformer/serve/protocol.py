@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tformer.engine import SamplingParams, StructuredOutput
 from tformer.errors import RequestError
-from tformer.inference import SamplingParams, StructuredOutput
 from tformer.serve.errors import APIError
 from tformer.serve.tools import Tool, ToolCalls
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import uvicorn
 from starlette.types import ASGIApp
 
+from tformer.engine import Engine, EngineConfig
+from tformer.engine.async_engine import AsyncEngine
+from tformer.engine.embedding import EmbeddingEngine
+from tformer.engine.loading import load_engine, warm_up
 from tformer.errors import ConfigError
-from tformer.inference import Engine, EngineConfig
-from tformer.inference.embedding import EmbeddingEngine
 from tformer.serve.app import create_app
-from tformer.serve.async_engine import AsyncEngine
-from tformer.serve.loading import load_engine, warm_up
 from tformer.serve.playground import create_dashboard_app
 
 API_KEY_ENV = "TFORMER_API_KEY"

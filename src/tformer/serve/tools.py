@@ -1,6 +1,6 @@
 """Tool calls in /v1/chat/completions by constrained decoding, as vLLM serves them without a model-specific parser.
 
-With `tool_choice` set to a named function, the answer is held (inference/structured.py) to that function's
+With `tool_choice` set to a named function, the answer is held (engine/structured.py) to that function's
 `parameters` schema and comes back as one call with those arguments. With "required", it is held to a JSON list of
 one or more calls, each {"name": one of the tools, "parameters": that tool's arguments}, and comes back as those
 calls (`parallel_tool_calls: false` allows one). "none" leaves the tools to the chat template only. "auto", where
@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tformer.inference import StructuredOutput
+from tformer.engine import StructuredOutput
 from tformer.serve.errors import APIError
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}

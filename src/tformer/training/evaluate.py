@@ -47,7 +47,7 @@ def translate(
     """Translates plain sentences with beam search (greedy when beam_size is 1)."""
     # imported on use: the inference package loads torch.compile's Dynamo (its kernels' ops), about a second of
     # start-up that a training run which never translates would pay
-    from tformer.inference import translate_ids
+    from tformer.decoding import translate_ids
 
     sources = tokenizer.encode_batch(list(sentences))
     ids = translate_ids(model, sources, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, beam_size, alpha)

@@ -1,5 +1,5 @@
 """A translation's cross-attention map drawn: one heat map per decoder layer and head, each layer's mean over its
-heads, and the mean over everything. The data comes from `tformer.inference.attention_map.cross_attention_map`.
+heads, and the mean over everything. The data comes from `tformer.decoding.attention_map.cross_attention_map`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from tformer.viz.plots import _new_figure, _save
 
 if TYPE_CHECKING:  # only named here: importing the inference package would load Dynamo for every plot
-    from tformer.inference.attention_map import CrossAttentionMap
+    from tformer.decoding.attention_map import CrossAttentionMap
 
 PANEL_INCHES = 2.3  # a heat map's side, enough for about 30 token labels
 

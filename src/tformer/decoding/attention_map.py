@@ -16,8 +16,8 @@ from typing import Protocol
 
 import torch
 
+from tformer.decoding.search import translate_ids
 from tformer.errors import ConfigError
-from tformer.inference.search import translate_ids
 from tformer.layers import Attention
 from tformer.layers.attention import math_attention
 from tformer.models import EncoderDecoder

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tformer.inference.engine import Engine
-from tformer.inference.sampling import SamplingParams
+from tformer.engine.engine import Engine
+from tformer.engine.sampling import SamplingParams
 from tformer.kernels.quantize import Int4Linear, Int8Linear, W8A8Linear, model_bytes
 
 

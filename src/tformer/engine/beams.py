@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from tformer.inference.blocks import BlockAllocator
-from tformer.inference.scheduler import Sequence, Status
-from tformer.inference.search import Beams
+from tformer.decoding.search import Beams
+from tformer.engine.blocks import BlockAllocator
+from tformer.engine.scheduler import Sequence, Status
 
 
 class BeamGroup:

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tformer.engine.beams import BeamGroup
+from tformer.engine.blocks import BlockAllocator
+from tformer.engine.runner import ModelRunner
+from tformer.engine.sampling import SamplingParams, TokenLogprob, make_generator, token_logprob
+from tformer.engine.scheduler import Scheduler, Sequence, Status
+from tformer.engine.structured import GrammarCompiler
+from tformer.engine.text import Tokenizer
 from tformer.errors import RequestError
-from tformer.inference.beams import BeamGroup
-from tformer.inference.blocks import BlockAllocator
-from tformer.inference.runner import ModelRunner
-from tformer.inference.sampling import SamplingParams, TokenLogprob, make_generator, token_logprob
-from tformer.inference.scheduler import Scheduler, Sequence, Status
-from tformer.inference.structured import GrammarCompiler
-from tformer.inference.text import Tokenizer
 
 
 class ContextLengthError(RequestError):

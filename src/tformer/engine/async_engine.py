@@ -25,8 +25,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tformer.inference import Engine, RequestError, RequestOutput, SamplingParams
-from tformer.inference.embedding import EmbeddingEngine
+from tformer.engine import Engine, RequestError, RequestOutput, SamplingParams
+from tformer.engine.embedding import EmbeddingEngine
 
 logger = logging.getLogger(__name__)
 

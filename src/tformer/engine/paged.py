@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tformer.inference.blocks import BlockCopy
+from tformer.engine.blocks import BlockCopy
 from tformer.kernels.kv_int8 import SCALE_BYTES, dequantize_int8, quantize_int8, read_rounded, store_rounded
 from tformer.kernels.paged_attention import paged_decode_attention, supports
 from tformer.layers.kv_cache import zeroed

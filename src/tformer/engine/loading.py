@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 
 from tformer.data.tokenizer import Tokenizer
+from tformer.engine import Engine, EngineConfig, SamplingParams
+from tformer.engine.embedding import EmbeddingEngine, Pooling
 from tformer.errors import ConfigError
-from tformer.inference import Engine, EngineConfig, SamplingParams
-from tformer.inference.embedding import EmbeddingEngine, Pooling
 from tformer.interop.gguf import from_gguf, is_gguf, open_gguf, q4_1_linears
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.interop.loading import load_pretrained

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tformer.inference.sampling import SamplingParams, TokenLogprob
-from tformer.inference.scheduler import Sequence
-from tformer.inference.text import TextTracker, Tokenizer
+from tformer.engine.sampling import SamplingParams, TokenLogprob
+from tformer.engine.scheduler import Sequence
+from tformer.engine.text import TextTracker, Tokenizer
 
 
 @dataclass

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tformer.errors import ConfigError
-from tformer.inference.paged import PagedKVCache
-from tformer.inference.runner import DecoderRunner, StepBatch, step_inputs
-from tformer.inference.sampling import (
+from tformer.engine.paged import PagedKVCache
+from tformer.engine.runner import DecoderRunner, StepBatch, step_inputs
+from tformer.engine.sampling import (
     RequestError,
     SamplingParams,
     greedy_tokens,
@@ -32,7 +31,8 @@ from tformer.inference.sampling import (
     sample_index,
     sampling_probs,
 )
-from tformer.inference.scheduler import Sequence
+from tformer.engine.scheduler import Sequence
+from tformer.errors import ConfigError
 from tformer.models import DecoderLM, TransformerModel
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tformer.engine.structured import StructuredOutput
 from tformer.errors import RequestError
-from tformer.inference.structured import StructuredOutput
 
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # alternatives a token's log-probabilities may list (OpenAI's top_logprobs limit)

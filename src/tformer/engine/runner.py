@@ -28,9 +28,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tformer.inference.packing import packed_views
-from tformer.inference.paged import PagedKVCache, PagedLayerKV
-from tformer.inference.scheduler import Sequence
+from tformer.engine.packing import packed_views
+from tformer.engine.paged import PagedKVCache, PagedLayerKV
+from tformer.engine.scheduler import Sequence
 from tformer.layers.attention import Attention
 from tformer.layers.kv_cache import CrossKV, LayerCache
 from tformer.models import DecoderLM, EncoderDecoder, TransformerModel
@@ -316,7 +316,7 @@ def make_runner(model: TransformerModel, compile: bool = False) -> ModelRunner:
     families = ", ".join(sorted(cls.__name__ for cls in RUNNERS))
     raise TypeError(
         f"the engine generates with {families} models, not {type(model).__name__} "
-        "(an encoder has no next-token distribution); register a runner in tformer.inference.runner.RUNNERS"
+        "(an encoder has no next-token distribution); register a runner in tformer.engine.runner.RUNNERS"
     )
 
 

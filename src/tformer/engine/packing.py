@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tformer.inference.paged import LayerTensors, PagedKVCache, PagedLayerKV
+from tformer.engine.paged import LayerTensors, PagedKVCache, PagedLayerKV
 from tformer.kernels.causal_attention import causal_attention
 from tformer.layers.attention import sdpa_attention
 from tformer.layers.masks import build_mask

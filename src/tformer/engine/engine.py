@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from tformer.config import ConfigError
-from tformer.inference.beams import BeamGroup
-from tformer.inference.blocks import BlockAllocator
-from tformer.inference.outputs import Completion, OutputProcessor, RequestOutput, accumulate
-from tformer.inference.paged import KV_CACHE_DTYPES, kv_bytes_per_token, paged_cache_for
-from tformer.inference.requests import InputProcessor, Request
-from tformer.inference.runner import StepBatch, group_by_width, make_runner, step_inputs
-from tformer.inference.sampling import (
+from tformer.engine.beams import BeamGroup
+from tformer.engine.blocks import BlockAllocator
+from tformer.engine.outputs import Completion, OutputProcessor, RequestOutput, accumulate
+from tformer.engine.paged import KV_CACHE_DTYPES, kv_bytes_per_token, paged_cache_for
+from tformer.engine.requests import InputProcessor, Request
+from tformer.engine.runner import StepBatch, group_by_width, make_runner, step_inputs
+from tformer.engine.sampling import (
     RequestError,
     SamplingParams,
     TokenLogprob,
@@ -43,9 +43,9 @@ from tformer.inference.sampling import (
     sampling_probs,
     token_logprob,
 )
-from tformer.inference.scheduler import Scheduler, Sequence, Status
-from tformer.inference.speculative import Drafter, SpeculativeStats, accept_draft, accept_greedy, check_draft
-from tformer.inference.text import Tokenizer
+from tformer.engine.scheduler import Scheduler, Sequence, Status
+from tformer.engine.speculative import Drafter, SpeculativeStats, accept_draft, accept_greedy, check_draft
+from tformer.engine.text import Tokenizer
 from tformer.models import DecoderLM, TransformerModel
 
 

@@ -25,9 +25,9 @@ from enum import Enum
 
 import torch
 
-from tformer.inference.blocks import BlockAllocator, BlockCopy, BlockHash
-from tformer.inference.sampling import SamplingParams
-from tformer.inference.structured import Constraint
+from tformer.engine.blocks import BlockAllocator, BlockCopy, BlockHash
+from tformer.engine.sampling import SamplingParams
+from tformer.engine.structured import Constraint
 
 
 class Status(Enum):
