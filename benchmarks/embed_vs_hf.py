@@ -25,9 +25,9 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import alternating_timing, load_report, machine_info, median, set_threads, uptime  # noqa: E402
 
+from tformer.checkpoints import load_pretrained  # noqa: E402
 from tformer.data.corpora import bible_text  # noqa: E402
 from tformer.engine.embedding import Embedder, Pooling  # noqa: E402
-from tformer.interop.loading import load_pretrained  # noqa: E402
 
 
 def minilm_dir() -> Path:

@@ -54,10 +54,10 @@ from common import (  # noqa: E402
 )
 from conftest import smollm2_path  # noqa: E402
 
+from tformer.checkpoints import load_pretrained  # noqa: E402
 from tformer.data.corpora import bible_text  # noqa: E402
 from tformer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tformer.engine.bench import copy_bandwidth  # noqa: E402
-from tformer.interop.loading import load_pretrained  # noqa: E402
 from tformer.kernels.quantize import QUANT_MODES, WEIGHT_DTYPES, model_bytes, set_precision  # noqa: E402
 
 

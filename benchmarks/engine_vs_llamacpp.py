@@ -75,10 +75,10 @@ from engine_vs_hf import chat_ids, read_bandwidth  # noqa: E402
 from test_engine_kv_int8 import StoredAsInt8  # noqa: E402
 from test_interop_gguf import john_1, perplexity  # noqa: E402
 
+from tformer.checkpoints import load_pretrained  # noqa: E402
 from tformer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tformer.engine.bench import copy_bandwidth, weight_bytes_per_token  # noqa: E402
 from tformer.engine.paged import KV_CACHE_DTYPES  # noqa: E402
-from tformer.interop.loading import load_pretrained  # noqa: E402
 from tformer.kernels.quantize import model_bytes, set_precision  # noqa: E402
 from tformer.layers.kv_cache import LayerCache  # noqa: E402
 

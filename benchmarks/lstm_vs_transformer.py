@@ -30,10 +30,10 @@ import sacrebleu
 import torch
 from common import cpu_flags, load_report, median, median_seconds, set_threads
 
+from tformer.checkpoints import resolve_checkpoint
 from tformer.data import Seq2SeqBatch, Tokenizer, bible_pairs
 from tformer.decoding import translate_ids
 from tformer.models import load
-from tformer.training.checkpoint import resolve_checkpoint
 from tformer.training.evaluate import evaluate_translation
 from tformer.training.losses import label_smoothed_cross_entropy
 from tformer.training.memory import (

@@ -24,10 +24,10 @@ import torch
 from common import cpu_flags, load_report, median, set_threads
 
 from tformer import ModelConfig, build_model, load
+from tformer.checkpoints import list_checkpoints
 from tformer.data import TokenBatchSampler, Tokenizer, Vocab, bible_text, causal_lm, lm_lengths
 from tformer.layers import ssm
 from tformer.models.stack import StackInputs
-from tformer.training.checkpoint import list_checkpoints
 from tformer.training.evaluate import perplexity
 from tformer.training.memory import LiveTensorTracker, peak_rss_bytes, reset_peak_rss, rss_bytes
 

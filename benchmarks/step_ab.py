@@ -42,8 +42,8 @@ from common import kernel_paths, load_report, machine_info  # noqa: E402
 from conftest import smollm2_path  # noqa: E402
 from engine_vs_hf import chat_ids, workload  # noqa: E402
 
+from tformer.checkpoints import load_pretrained  # noqa: E402
 from tformer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from tformer.interop.loading import load_pretrained  # noqa: E402
 from tformer.kernels.quantize import set_precision  # noqa: E402
 
 KERNELS = ("int4", "w8a8", "paged_attention")

@@ -30,8 +30,8 @@ from conftest import smollm2_path  # noqa: E402
 from engine_vs_hf import chat_ids  # noqa: E402
 from engine_vs_llamacpp import VARIANTS, load_llamacpp  # noqa: E402
 
+from tformer.checkpoints import load_pretrained  # noqa: E402
 from tformer.engine import Engine, EngineConfig, SamplingParams, StructuredOutput  # noqa: E402
-from tformer.interop.loading import load_pretrained  # noqa: E402
 from tformer.kernels.quantize import set_precision  # noqa: E402
 
 PEOPLE = 6

@@ -99,7 +99,7 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_pretrained() -> tuple[TransformerModel, Any]:
     """SmolLM2-135M-Instruct and its tokenizer, loaded once per test session (tests must not modify it)."""
-    from tformer.interop.loading import load_pretrained
+    from tformer.checkpoints import load_pretrained
 
     return load_pretrained(smollm2_path())
 
@@ -145,7 +145,7 @@ def tiny(tiny_dir, one_thread) -> Iterator[LiveServer]:
     """`create_app` on the tiny checkpoint, served by uvicorn in a thread of this process."""
     from serve_helpers import LiveServer
 
-    from tformer.interop.loading import load_pretrained
+    from tformer.checkpoints import load_pretrained
 
     server = LiveServer(*load_pretrained(tiny_dir))
     yield server

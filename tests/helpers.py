@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import yaml
 
+from tformer.checkpoints import list_checkpoints
 from tformer.training import Trainer, load_recipe
-from tformer.training.checkpoint import list_checkpoints
 
 # ---- the engine: decoder variants and decoding references -------------------------------------------------------
 

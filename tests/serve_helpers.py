@@ -16,10 +16,10 @@ import torch
 import uvicorn
 
 from tformer import ModelConfig, build_model
+from tformer.checkpoints import load_pretrained
 from tformer.data.tokenizer import Tokenizer
 from tformer.engine import Completion, Engine, EngineConfig, SamplingParams
 from tformer.engine.async_engine import AsyncEngine
-from tformer.interop.loading import load_pretrained
 from tformer.kernels.quantize import set_precision
 from tformer.serve import create_app
 

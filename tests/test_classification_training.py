@@ -15,11 +15,11 @@ from helpers import interrupt_and_resume, losses, trainer
 from safetensors.torch import load_file
 
 from tformer import build_model
+from tformer.checkpoints import list_checkpoints
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import Tokenizer
 from tformer.data.genre import BOOK_GENRE, GENRE_SPLIT_BOOKS, GENRES, bible_genres, genre_split_of
 from tformer.models import WEIGHTS_FILE, load
-from tformer.training.checkpoint import list_checkpoints
 from tformer.training.evaluate import classification_scores, evaluate_classification
 
 pytestmark = pytest.mark.usefixtures("one_thread")

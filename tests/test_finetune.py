@@ -23,12 +23,11 @@ from helpers import write_finetune_recipe as write_recipe
 from safetensors.torch import load_file
 
 import tformer
+from tformer.checkpoints import list_checkpoints, load_pretrained
 from tformer.config import ConfigError
 from tformer.data import Cursor, Tokenizer, Vocab, causal_lm
-from tformer.interop.loading import load_pretrained
 from tformer.models import WEIGHTS_FILE
 from tformer.training import load_recipe
-from tformer.training.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -90,9 +90,9 @@ def test_int4_from_q4_1_keeps_the_files_values_and_serves_like_requantizing() ->
     float load quantized afterwards, which finds the same groups here (measured: equal, max |delta| 0.0)."""
     from conftest import smollm2_path
 
+    from tformer.checkpoints import load_pretrained
     from tformer.engine.loading import load_quantized
     from tformer.interop.gguf import dequantize_tensor, open_gguf
-    from tformer.interop.loading import load_pretrained
     from tformer.kernels.quantize import Int4Linear, set_precision
 
     path = smollm2_path()

@@ -19,11 +19,11 @@ from helpers import write_finetune_recipe as write_recipe
 from safetensors.torch import load_file
 
 import tformer
+from tformer.checkpoints import list_checkpoints
 from tformer.cli import main
 from tformer.config import ConfigError
 from tformer.models import WEIGHTS_FILE
 from tformer.training import Trainer, load_recipe
-from tformer.training.checkpoint import list_checkpoints
 from tformer.training.lora import ADAPTERS_FILE, CONFIG_FILE, lora_layers, merge_lora
 from tformer.training.lora_run import with_lora
 

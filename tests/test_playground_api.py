@@ -19,12 +19,12 @@ from serve_helpers import CHAT, assert_openai_error
 from starlette.testclient import TestClient
 
 from tformer import load
+from tformer.checkpoints import load_pretrained
 from tformer.cli import main as tformer_main
 from tformer.data.tokenizer import Tokenizer
 from tformer.decoding import translate_ids
 from tformer.engine import Engine, SamplingParams
 from tformer.engine.async_engine import AsyncEngine
-from tformer.interop.loading import load_pretrained
 from tformer.serve import create_app
 from tformer.serve.playground import create_dashboard_app
 from tformer.serve.runs import RunsDir

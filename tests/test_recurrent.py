@@ -13,11 +13,12 @@ from conftest import make_model, tokens
 from helpers import trainer, write_recipe
 
 from tformer import ModelConfig, build_model, load
+from tformer.checkpoints import resolve_checkpoint
 from tformer.decoding.search import beam_search, greedy_search, length_penalty, translate_ids
+from tformer.decoding.translator import Translator
 from tformer.errors import ConfigError
 from tformer.models import LSTMEncoderDecoder
-from tformer.training import evaluate_checkpoint, load_recipe, load_translator
-from tformer.training.checkpoint import resolve_checkpoint
+from tformer.training import evaluate_checkpoint, load_recipe
 
 PAD, BOS, EOS = 0, 1, 2
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -211,6 +212,6 @@ def test_the_trainer_trains_it_and_its_checkpoint_translates_and_evaluates(tmp_p
     sentences, tok = ["three one four", "two"], run.data.tokenizer
     ids = translate_ids(run.model.eval(), tok.encode_batch(sentences), tok.bos_id, tok.eos_id, tok.pad_id, 2)
     in_memory = tok.decode_batch(ids)
-    assert load_translator(run.run_dir)(sentences, 2) == in_memory
+    assert Translator.load(run.run_dir).translate_batch(sentences, 2) == in_memory
     scored = evaluate_checkpoint(run.run_dir, data=run.config.corpus, beam_size=2, limit=4)
     assert len(scored.hypotheses) == 4 and scored.bleu >= 0.0

@@ -18,10 +18,10 @@ import openai
 import pytest
 from serve_helpers import CMPL, NAME, TEXTS, USER, LiveServer, assert_openai_error, client, metric
 
+from tformer.checkpoints import load_pretrained
 from tformer.engine import Engine, EngineConfig, RequestError, SamplingParams
 from tformer.engine.async_engine import AsyncEngine, EngineStopped
 from tformer.errors import ConfigError
-from tformer.interop.loading import load_pretrained
 from tformer.kernels.quantize import set_precision
 
 

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serve_helpers import CHAT, CMPL, NAME, USER, LiveServer, assert_openai_error, client, metric
 
+from tformer.checkpoints import load_pretrained
 from tformer.engine import EngineConfig
-from tformer.interop.loading import load_pretrained
 
 # ---- errors: OpenAI's shape and status, never a 5xx --------------------------------------------------------------
 

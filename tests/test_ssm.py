@@ -13,8 +13,8 @@ from helpers import trainer
 
 import tformer
 from tformer import ConfigError, ModelConfig
+from tformer.checkpoints import list_checkpoints
 from tformer.layers.ssm import selective_scan, selective_step
-from tformer.training.checkpoint import list_checkpoints
 
 
 def ssm_config(**overrides: object) -> ModelConfig:

@@ -15,11 +15,12 @@ import torch
 import yaml
 from helpers import WORDS, steps, tformer_train, trainer, write_corpus, write_recipe
 
+from tformer.checkpoints import checkpoint_dir, resolve_checkpoint
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import Seq2SeqBatch, Tokenizer, teacher_forcing
 from tformer.models import CheckpointError, build_model, load
 from tformer.training import Trainer, load_recipe
-from tformer.training.checkpoint import average_checkpoints, checkpoint_dir, resolve_checkpoint
+from tformer.training.checkpoint import average_checkpoints
 from tformer.training.evaluate import TranslationResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")

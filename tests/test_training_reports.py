@@ -10,7 +10,8 @@ import sacrebleu
 import torch
 from helpers import tformer_train, trainer, write_corpus, write_recipe
 
-from tformer.training.checkpoint import STATE_FILE, checkpoint_dir, resolve_checkpoint
+from tformer.checkpoints import checkpoint_dir, resolve_checkpoint
+from tformer.training.checkpoint import STATE_FILE
 from tformer.training.evaluate import TranslationResult
 
 

@@ -21,9 +21,10 @@ import torch
 from helpers import ENV, steps, tformer_train, trainer, write_recipe
 from safetensors.torch import load_file
 
+from tformer.checkpoints import checkpoint_dir, list_checkpoints, resolve_checkpoint
 from tformer.models import WEIGHTS_FILE, load
 from tformer.training import TrainingDiverged
-from tformer.training.checkpoint import checkpoint_dir, list_checkpoints, load_trainer_state, resolve_checkpoint
+from tformer.training.checkpoint import load_trainer_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,8 +13,9 @@ from tformer.config import ModelConfig
 from tformer.errors import CheckpointError, ConfigError, DataError, RequestError, TformerError
 
 if TYPE_CHECKING:
+    from tformer.checkpoints import load_pretrained
     from tformer.engine import Engine, EngineConfig, SamplingParams
-    from tformer.interop import from_gguf, from_hf, load_pretrained, to_hf, tokenizer_from_gguf
+    from tformer.interop import from_gguf, from_hf, to_hf, tokenizer_from_gguf
     from tformer.models import TransformerModel, build_model, load
 
 __version__ = "0.1.0"
@@ -26,7 +27,7 @@ LAZY_NAMES: dict[str, str] = {
     "SamplingParams": "tformer.engine",
     "from_gguf": "tformer.interop",
     "from_hf": "tformer.interop",
-    "load_pretrained": "tformer.interop",
+    "load_pretrained": "tformer.checkpoints",
     "to_hf": "tformer.interop",
     "tokenizer_from_gguf": "tformer.interop",
     "TransformerModel": "tformer.models",

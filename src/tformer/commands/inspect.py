@@ -39,8 +39,8 @@ def viz(kind: str, target: str, *, out: str, length: int = 100, model: str | Non
         plots.plot_training_curves(Path(target) / "metrics.jsonl", out)
     elif kind == "positions":
         if Path(target).is_dir():
+            from tformer.checkpoints import resolve_checkpoint
             from tformer.models import load
-            from tformer.training.checkpoint import resolve_checkpoint
 
             source = load(resolve_checkpoint(target))
         else:
@@ -49,10 +49,10 @@ def viz(kind: str, target: str, *, out: str, length: int = 100, model: str | Non
     elif kind == "attention":
         if model is None:
             raise ConfigError("'attention' needs --model: a translation checkpoint or training run directory")
+        from tformer.checkpoints import resolve_checkpoint
         from tformer.data import Tokenizer
         from tformer.decoding.attention_map import cross_attention_map
         from tformer.models import load
-        from tformer.training.checkpoint import resolve_checkpoint
 
         checkpoint = resolve_checkpoint(model)
         attention = cross_attention_map(load(checkpoint), Tokenizer.load(checkpoint), target, beam_size)

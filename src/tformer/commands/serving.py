@@ -110,8 +110,8 @@ def embed(texts: list[str], *, model: str, pooling: str | None = None, normalize
     import json
     import warnings
 
+    from tformer.checkpoints import load_pretrained
     from tformer.engine.embedding import Embedder, Pooling
-    from tformer.interop.loading import load_pretrained
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # weights an embedding does not use (a pooler, a head) are dropped
@@ -199,9 +199,9 @@ def serve(
 
     if compile:
         _keep_compiled_kernels()
-    if model is not None and _is_run_directory(Path(model)):
-        from tformer.training.checkpoint import resolve_checkpoint
+    from tformer.checkpoints import is_run_directory, resolve_checkpoint
 
+    if model is not None and is_run_directory(model):
         model_name = model_name or Path(model).resolve().name  # the run's name, not its step-* directory's
         model = str(resolve_checkpoint(model))
     config = EngineConfig(
@@ -226,12 +226,6 @@ def serve(
         draft_quantize=draft_quantize,
         runs_dir=runs,
     )
-
-
-def _is_run_directory(path: Path) -> bool:
-    """A training run's directory (checkpoints/ inside), rather than a model directory (a config file inside)."""
-    has_config = any((path / name).is_file() for name in ("config.yaml", "config.json"))
-    return path.is_dir() and (path / "checkpoints").is_dir() and not has_config
 
 
 def convert(source: str, *, out: str, to: str = "tformer", merge_lora: str | None = None) -> None:

@@ -26,11 +26,11 @@ def translate(sentences: list[str], *, model: str, beam_size: int = 4, alpha: fl
     beam_size: beam width; 1 is greedy search
     alpha: length penalty exponent of ((5 + len) / 6) ** alpha
     """
-    from tformer.training import load_translator
+    from tformer.decoding.translator import Translator
 
-    translator = load_translator(model)
+    translator = Translator.load(model)
     lines = sentences or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    for line in translator(lines, beam_size, alpha):
+    for line in translator.translate_batch(lines, beam_size, alpha):
         print(line)
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import os
 
+from tformer.checkpoints import load_pretrained
 from tformer.data.tokenizer import Tokenizer
 from tformer.engine import Engine, EngineConfig, SamplingParams
 from tformer.engine.embedding import EmbeddingEngine, Pooling
 from tformer.errors import ConfigError
 from tformer.interop.gguf import from_gguf, is_gguf, open_gguf, q4_1_linears
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
-from tformer.interop.loading import load_pretrained
 from tformer.kernels.quantize import WEIGHT_DTYPES, Int4Linear, check_precision, resolve_dtype, set_precision
 from tformer.models import TransformerModel
 from tformer.models.families import EncoderMLM

@@ -6,6 +6,5 @@ Only this package knows foreign weight names; everything else speaks tformer's.
 from tformer.interop.gguf import GGUFError, from_gguf
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.interop.hf import from_hf, to_hf
-from tformer.interop.loading import load_pretrained
 
-__all__ = ["GGUFError", "from_gguf", "from_hf", "load_pretrained", "to_hf", "tokenizer_from_gguf"]
+__all__ = ["GGUFError", "from_gguf", "from_hf", "to_hf", "tokenizer_from_gguf"]

@@ -22,7 +22,8 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from tformer.decoding.attention_map import CrossAttentionMap, cross_attention_map
+from tformer.decoding.attention_map import CrossAttentionMap
+from tformer.decoding.translator import Translator
 from tformer.engine.async_engine import EngineStopped
 from tformer.errors import TformerError
 from tformer.serve.errors import APIError, install_error_handlers
@@ -111,7 +112,7 @@ async def translate(server: Server, body: TranslationRequest) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         result: CrossAttentionMap = await server.engine.call(
-            lambda: cross_attention_map(model, tokenizer, body.input, body.beam_size, body.alpha)
+            lambda: Translator(model, tokenizer).translate_with_attention(body.input, body.beam_size, body.alpha)
         )
     except EngineStopped as err:
         raise APIError(503, str(err)) from None

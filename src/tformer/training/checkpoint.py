@@ -1,4 +1,5 @@
-"""Training checkpoints: weights, tokenizer and the full trainer state, written atomically.
+"""Training checkpoints: weights, tokenizer and the full trainer state, written atomically (reading a run
+directory back, and which of its checkpoints is best, is `tformer.checkpoints`'s).
 
 A run directory looks like::
 
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from tformer.checkpoints import BEST_FILE, best_checkpoint, checkpoint_dir, list_checkpoints
 from tformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from tformer.data.tokenizer import Tokenizer
 from tformer.files import write_text_atomically
@@ -39,11 +41,6 @@ from tformer.models import CheckpointError, TransformerModel, load
 from tformer.training.lora_run import save_weights
 
 STATE_FILE = "trainer_state.pt"
-BEST_FILE = "best.json"
-
-
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step-{step:08d}"
 
 
 def pending_dir(run_dir: Path, step: int) -> Path:
@@ -77,29 +74,12 @@ def commit_checkpoint(tmp: Path) -> Path:
     return final
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (temporary directories of interrupted writes are skipped)."""
-    root = run_dir / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and "." not in p.name)
-
-
 def load_trainer_state(checkpoint: Path) -> dict:
     """The trainer state saved beside the weights, read without unpickling arbitrary objects."""
     try:
         return torch.load(checkpoint / STATE_FILE, weights_only=True)
     except (OSError, RuntimeError) as err:
         raise CheckpointError(f"{checkpoint / STATE_FILE}: cannot read trainer state: {err}") from None
-
-
-def best_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint with the best dev BLEU so far, if one was recorded and still exists."""
-    path = run_dir / BEST_FILE
-    if not path.is_file():
-        return None
-    best = checkpoint_dir(run_dir, json.loads(path.read_text())["step"])
-    return best if best.is_dir() else None
 
 
 def record_best(run_dir: Path, step: int, bleu: float, dev_sentences: int) -> None:
@@ -115,20 +95,6 @@ def rewrite_trainer_state(checkpoint: Path, state: dict) -> None:
     tmp = checkpoint / (STATE_FILE + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, checkpoint / STATE_FILE)
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory itself, or for a run directory its best checkpoint (else its latest)."""
-    path = Path(path)
-    if (path / "model.safetensors").is_file():
-        return path
-    found = best_checkpoint(path) or next(reversed(list_checkpoints(path)), None)
-    if found is None:
-        raise CheckpointError(
-            f"{path} is neither a checkpoint (no model.safetensors) nor a run directory with checkpoints/; "
-            f"pass the out_dir of a training run or one of its checkpoints/step-* directories"
-        )
-    return found
 
 
 def average_checkpoints(paths: list[Path], out: Path) -> Path:

@@ -41,19 +41,6 @@ class TranslationResult:
         ]
 
 
-def translate(
-    model: EncoderDecoder, tokenizer: Tokenizer, sentences: Sequence[str], beam_size: int = 4, alpha: float = 0.6
-) -> list[str]:
-    """Translates plain sentences with beam search (greedy when beam_size is 1)."""
-    # imported on use: the inference package loads torch.compile's Dynamo (its kernels' ops), about a second of
-    # start-up that a training run which never translates would pay
-    from tformer.decoding import translate_ids
-
-    sources = tokenizer.encode_batch(list(sentences))
-    ids = translate_ids(model, sources, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, beam_size, alpha)
-    return tokenizer.decode_batch(ids)
-
-
 def evaluate_translation(
     model: EncoderDecoder,
     tokenizer: Tokenizer,
@@ -65,7 +52,10 @@ def evaluate_translation(
     sources = [s for s, _ in pairs]
     references = [r for _, r in pairs]
     start = time.perf_counter()
-    hypotheses = translate(model, tokenizer, sources, beam_size, alpha)
+    # imported on use: a training run that never translates does not load the decoding package
+    from tformer.decoding.translator import Translator
+
+    hypotheses = Translator(model, tokenizer).translate_batch(sources, beam_size, alpha)
     seconds = time.perf_counter() - start
     bleu = sacrebleu.metrics.BLEU()
     score = bleu.corpus_score(hypotheses, [references])

@@ -16,12 +16,10 @@ from typing import Any
 
 import torch
 
+from tformer.checkpoints import load_pretrained, read_config
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import Tokenizer, Vocab
-from tformer.interop.gguf import config_from_gguf, is_gguf, open_gguf
-from tformer.interop.hf import config_from_hf, family_of, read_hf_config
-from tformer.interop.loading import HF_CONFIG_FILE, load_pretrained
-from tformer.models import CONFIG_FILE, CheckpointError, TransformerModel, assign_weights, build_model
+from tformer.models import CheckpointError, TransformerModel, assign_weights, build_model
 from tformer.presets import PRESETS
 
 # ModelConfig keys that change how the model trains, not what its weights mean
@@ -50,21 +48,10 @@ class Pretrained:
 
 def weights_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of the weights at `path`, read from their config or metadata alone (no tensors)."""
-    path = Path(path)
-    if path.is_file():
-        if not is_gguf(path):
-            raise ConfigError(f"train.init_from: {path} is not a GGUF file; pass a .gguf file or a model directory")
-        return config_from_gguf(open_gguf(path), path)
-    if (path / CONFIG_FILE).is_file():
-        return ModelConfig.from_file(path / CONFIG_FILE)
-    if (path / HF_CONFIG_FILE).is_file():
-        hf_config = read_hf_config(path)
-        return config_from_hf(family_of(hf_config, path / HF_CONFIG_FILE), hf_config, path / HF_CONFIG_FILE)
-    what = "does not exist" if not path.exists() else f"holds neither {CONFIG_FILE} nor {HF_CONFIG_FILE}"
-    raise ConfigError(
-        f"train.init_from: {path} {what}; pass a tformer checkpoint directory (a run's checkpoints/step-*), "
-        "a Hugging Face model directory or a .gguf file"
-    )
+    try:
+        return read_config(path)
+    except CheckpointError as err:
+        raise ConfigError(f"train.init_from: {err}") from None
 
 
 def recipe_model_config(init_from: str, keys: dict[str, Any], source: str) -> ModelConfig:

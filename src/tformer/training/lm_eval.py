@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from tformer.checkpoints import resolve_checkpoint
 from tformer.config import ConfigError, ModelConfig
 from tformer.data import Tokenizer, Vocab, bible_text, causal_lm, masked_lm, read_text
 from tformer.data.packing import pack_sequences, packed_causal_lm
 from tformer.models import CONFIG_FILE, TransformerModel, load
-from tformer.training.checkpoint import resolve_checkpoint
 from tformer.training.evaluate import forward_logits
 from tformer.training.init_from import vocab_of
 

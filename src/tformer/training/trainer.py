@@ -25,16 +25,15 @@ import torch
 import yaml
 from torch import nn
 
+from tformer.checkpoints import checkpoint_dir, list_checkpoints
 from tformer.config import ModelConfig
 from tformer.data import Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab
 from tformer.errors import TrainingDiverged, TrainingOutOfMemory
 from tformer.models import CheckpointError, TransformerModel, build_model
 from tformer.training.checkpoint import (
     begin_checkpoint,
-    checkpoint_dir,
     commit_checkpoint,
     drop_records_after,
-    list_checkpoints,
     load_trainer_state,
     pending_dir,
     prune_checkpoints,

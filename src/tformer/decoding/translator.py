@@ -1,0 +1,52 @@
+"""`Translator`: a translation model with its tokenizer, as CTranslate2's `Translator` is: text in, text out.
+
+`tformer translate`, `tformer eval`, the trainer's dev BLEU and the playground's /v1/translations all translate
+through it, so a faster search or a new option reaches every caller at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from tformer.checkpoints import load_translation_model
+from tformer.data.tokenizer import Tokenizer
+from tformer.decoding.attention_map import CrossAttentionMap, cross_attention_map
+from tformer.decoding.search import translate_ids
+from tformer.errors import ConfigError
+from tformer.models import EncoderDecoder, LSTMEncoderDecoder
+
+
+class Translator:
+    """Translates sentences with an encoder-decoder: `translate_batch(sentences, beam_size, alpha)`."""
+
+    def __init__(self, model: EncoderDecoder | LSTMEncoderDecoder, tokenizer: Tokenizer) -> None:
+        if not model.config.is_seq2seq:
+            raise ConfigError(
+                f"translation needs an encoder-decoder model, got a '{model.config.family}' one; for a decoder "
+                "use `tformer generate` or the Engine"
+            )
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Translator:
+        """The translator of a checkpoint directory, or of a training run's best checkpoint (else its latest)."""
+        return cls(*load_translation_model(path))
+
+    def translate_batch(
+        self, sentences: Sequence[str], beam_size: int = 4, alpha: float = 0.6, batch_size: int = 32
+    ) -> list[str]:
+        """Translations of plain sentences, in input order (sentences are batched by length); greedy when
+        `beam_size` is 1; `alpha` is the length penalty's exponent, ((5 + len) / 6) ** alpha."""
+        tokenizer = self.tokenizer
+        sources = tokenizer.encode_batch(list(sentences))
+        ids = translate_ids(
+            self.model, sources, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, beam_size, alpha, batch_size
+        )
+        return tokenizer.decode_batch(ids)
+
+    def translate_with_attention(self, sentence: str, beam_size: int = 1, alpha: float = 0.6) -> CrossAttentionMap:
+        """One sentence's translation with the cross-attention weights of each output token (the playground's
+        map, `tformer viz attention`)."""
+        return cross_attention_map(self.model, self.tokenizer, sentence, beam_size, alpha)
