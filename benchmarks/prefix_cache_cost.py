@@ -17,7 +17,7 @@ import time
 
 from tformer.engine.blocks import BlockAllocator
 from tformer.engine.sampling import SamplingParams
-from tformer.engine.scheduler import Scheduler, Sequence
+from tformer.engine.scheduler import Scheduler, SequenceState
 
 
 def cost_per_step(length: int, steps: int, block_size: int) -> float:
@@ -25,14 +25,14 @@ def cost_per_step(length: int, steps: int, block_size: int) -> float:
     rng = random.Random(length)
     allocator = BlockAllocator(num_blocks=(length + steps) // block_size + 2, block_size=block_size)
     scheduler = Scheduler(allocator, prefix_caching=True)
-    seq = Sequence("bench", [rng.randrange(49152) for _ in range(length)], SamplingParams(max_tokens=steps))
+    seq = SequenceState("bench", [rng.randrange(49152) for _ in range(length)], SamplingParams(max_tokens=steps))
     allocator.grow(seq.table, length + steps)
-    scheduler.update_from_output(seq, length)  # the prompt's blocks: hashed once, not counted
+    scheduler.record_computed(seq, length)  # the prompt's blocks: hashed once, not counted
     times = []
     for _ in range(steps):
         seq.output.append(rng.randrange(49152))
         start = time.perf_counter()
-        scheduler.update_from_output(seq, 1)
+        scheduler.record_computed(seq, 1)
         times.append(time.perf_counter() - start)
     return statistics.mean(times)
 

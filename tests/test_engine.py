@@ -464,9 +464,9 @@ def test_a_vanishing_temperature_is_greedy_and_a_bad_prompt_is_a_request_error()
 
 
 def test_prompt_chunks_of_similar_widths_share_a_forward() -> None:
-    from tformer.engine.scheduler import Sequence
+    from tformer.engine.scheduler import SequenceState
 
-    items = [(Sequence(str(n), [0] * n, GREEDY), n) for n in (1, 20, 13, 7, 1, 6, 40)]
+    items = [(SequenceState(str(n), [0] * n, GREEDY), n) for n in (1, 20, 13, 7, 1, 6, 40)]
     groups = [[n for _, n in group] for group in group_by_width(items)]
     # decodes first; then by width, a group taking a chunk while padding stays within 10% of its tokens
     assert groups == [[1, 1], [40], [20], [13], [7, 6]]

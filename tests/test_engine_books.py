@@ -14,7 +14,7 @@ from tformer.engine import blocks
 from tformer.engine.blocks import BlockAllocator, BlockHash
 from tformer.engine.engine import Engine, EngineConfig
 from tformer.engine.sampling import SamplingParams
-from tformer.engine.scheduler import Scheduler, Sequence
+from tformer.engine.scheduler import Scheduler, SequenceState
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -34,12 +34,12 @@ def test_each_full_block_is_hashed_once_however_many_steps(monkeypatch) -> None:
     allocator = BlockAllocator(num_blocks=40, block_size=16)
     scheduler = Scheduler(allocator, prefix_caching=True)
     tokens = torch.randint(0, 1000, (512 + 64,), generator=torch.Generator().manual_seed(0)).tolist()
-    seq = Sequence("a", tokens[:512], SamplingParams(max_tokens=64))
+    seq = SequenceState("a", tokens[:512], SamplingParams(max_tokens=64))
     allocator.grow(seq.table, 512 + 64)
-    scheduler.update_from_output(seq, 512)
+    scheduler.record_computed(seq, 512)
     for token in tokens[512:]:
         seq.output.append(token)
-        scheduler.update_from_output(seq, 1)
+        scheduler.record_computed(seq, 1)
     assert len(made) == 36 and len(allocator.pool.cached) == 36
     # the keys are those of the whole prefix: a new sequence with the same tokens finds all 36 blocks
     assert allocator.match_prefix(tokens, max_blocks=36) == seq.table

@@ -27,6 +27,7 @@ from typing import Any
 
 from tformer.engine import Engine, RequestError, RequestOutput, SamplingParams
 from tformer.engine.embedding import EmbeddingEngine
+from tformer.engine.requests import ContextWindow
 
 logger = logging.getLogger(__name__)
 
@@ -161,13 +162,11 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def room(self, prompt_len: int) -> int:
-        """How many tokens a prompt of `prompt_len` tokens leaves in the context (the longest max_tokens)."""
-        return self.engine.room(prompt_len)  # the engine's rule reads only its configuration: safe from any thread
-
-    def check_context(self, prompt_len: int, max_tokens: int, tokens_param: str = "max_tokens") -> None:
-        """The engine's context-length rule, before the request is queued: raises `ContextLengthError`."""
-        self.engine.check_context(prompt_len, max_tokens, tokens_param)
+    @property
+    def context(self) -> ContextWindow:
+        """The engine's context-length rule, to apply before a request is queued (it reads only the engine's
+        configuration: safe from any thread)."""
+        return self.engine.context
 
     async def add(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> None:
         """Queues a request and waits until the engine takes it; raises `RequestError` if it refuses."""

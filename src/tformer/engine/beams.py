@@ -14,29 +14,29 @@ import torch
 
 from tformer.decoding.search import Beams
 from tformer.engine.blocks import BlockAllocator
-from tformer.engine.scheduler import Sequence, Status
+from tformer.engine.scheduler import SequenceState, Status
 
 
 class BeamGroup:
     """The beams of one request: `Beams` for one row of `beam_width`, and the sequence of each live beam."""
 
-    def __init__(self, first: Sequence, eos_id: int) -> None:
+    def __init__(self, first: SequenceState, eos_id: int) -> None:
         params = first.params
         self.limit = params.max_tokens
         self.beams = Beams.start([self.limit], params.beam_width, params.length_penalty, eos_id, torch.device("cpu"))
-        self.members: list[Sequence | None] = [first] + [None] * (params.beam_width - 1)  # None: a dead beam
+        self.members: list[SequenceState | None] = [first] + [None] * (params.beam_width - 1)  # None: a dead beam
         self.log_probs: dict[int, torch.Tensor] = {}
 
     @property
-    def live(self) -> list[Sequence]:
+    def live(self) -> list[SequenceState]:
         return [member for member in self.members if member is not None]
 
-    def record(self, seq: Sequence, logits: torch.Tensor) -> bool:
+    def record(self, seq: SequenceState, logits: torch.Tensor) -> bool:
         """Keeps a beam's next-token log-probabilities (V,); True once every live beam has given them."""
         self.log_probs[self.members.index(seq)] = torch.log_softmax(logits.float(), -1)
         return len(self.log_probs) == len(self.live)
 
-    def advance(self, allocator: BlockAllocator) -> list[Sequence] | None:
+    def advance(self, allocator: BlockAllocator) -> list[SequenceState] | None:
         """The next beams, forked from their parents (the caller frees the old ones), or None when done."""
         vocab = next(iter(self.log_probs.values())).shape[0]
         rows = torch.stack([self.log_probs.get(k, torch.zeros(vocab)) for k in range(len(self.members))])
@@ -44,14 +44,14 @@ class BeamGroup:
         parents = self.beams.advance(rows)  # a dead row's score is -inf, so its zeros never win
         if parents is None:
             return None
-        members: list[Sequence | None] = []
+        members: list[SequenceState | None] = []
         for k, parent_row in enumerate(parents.tolist()):
             if self.beams.scores[0, k] == float("-inf"):
                 members.append(None)
                 continue
             parent = self.members[parent_row]
             members.append(
-                Sequence(
+                SequenceState(
                     parent.request_id,
                     parent.prompt,
                     parent.params,

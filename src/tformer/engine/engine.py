@@ -1,7 +1,9 @@
 """`Engine`: batched, streaming generation on a paged KV cache with continuous batching.
 
-One `step()` asks the scheduler for a plan, runs the model once over every scheduled sequence, samples a
-token for each sequence whose pending tokens are all in the cache, and reports what each request produced.
+One `step()` reads as vLLM v1's: the scheduler plans (schedule), the runner runs the model once over every
+scheduled sequence (execute), the `Sampler` (sampler.py) chooses a token for each sequence whose pending tokens
+are all in the cache (sample), the scheduler books what the step computed in one `update_from_output`, and the
+outputs report what each request produced.
 Requests join between steps as soon as blocks are free and leave the moment they stop. The engine serves
 decoder-only models (the prompt starts the sequence) and encoder-decoder models (the prompt is the source;
 the decoder starts from <s>) alike.
@@ -12,16 +14,16 @@ and the rejection scheme of speculative.py keeps a prefix of them plus one token
 output is the target's own and sampled output follows the target's distribution.
 
 The engine coordinates; the books are elsewhere (vLLM v1's split): `InputProcessor` (requests.py) checks a
-prompt and builds its sequence, the family's runner (runner.py) holds the family's rules and runs the model,
-the `Scheduler` owns the queues and the `BlockAllocator` the blocks, and the `OutputProcessor` (outputs.py)
+prompt and builds its sequence under the context rule (`ContextWindow`, `engine.context`), the family's runner
+(runner.py) holds the family's rules and runs the model, the `Sampler` chooses tokens, the `Scheduler` owns the
+queues and the `BlockAllocator` the blocks, beams.py moves beams on, and the `OutputProcessor` (outputs.py)
 detokenizes and applies the stop rules.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
-from collections.abc import Sequence as Seq
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,21 +33,13 @@ from tformer.engine.beams import BeamGroup
 from tformer.engine.blocks import BlockAllocator
 from tformer.engine.outputs import Completion, OutputProcessor, RequestOutput, accumulate
 from tformer.engine.paged import KV_CACHE_DTYPES, kv_bytes_per_token, paged_cache_for
-from tformer.engine.requests import InputProcessor, Request
+from tformer.engine.requests import ContextWindow, InputProcessor, Request
 from tformer.engine.runner import StepBatch, group_by_width, make_runner, step_inputs
-from tformer.engine.sampling import (
-    RequestError,
-    SamplingParams,
-    TokenLogprob,
-    adjust_logits,
-    greedy_tokens,
-    sample_token,
-    sampling_probs,
-    token_logprob,
-)
-from tformer.engine.scheduler import Scheduler, Sequence, Status
-from tformer.engine.speculative import Drafter, SpeculativeStats, accept_draft, accept_greedy, check_draft
-from tformer.engine.text import Tokenizer
+from tformer.engine.sampler import ModelOutput, Sampler, SamplerOutput, ScoredRows, Verification
+from tformer.engine.sampling import RequestError, SamplingParams, TokenLogprob
+from tformer.engine.scheduler import Scheduler, SchedulerOutput, SequenceState, Status
+from tformer.engine.speculative import Drafter, SpeculativeStats, check_draft
+from tformer.engine.text import TextCodec
 from tformer.models import DecoderLM, TransformerModel
 
 
@@ -95,7 +89,7 @@ class Engine:
     def __init__(
         self,
         model: TransformerModel,
-        tokenizer: Tokenizer | None = None,
+        tokenizer: TextCodec | None = None,
         config: EngineConfig | None = None,
         draft: DecoderLM | None = None,
     ) -> None:
@@ -123,9 +117,11 @@ class Engine:
             window=model.config.sliding_window,
         )
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
+        self.context = ContextWindow(self.runner, self.max_model_len)
         self.inputs = InputProcessor(
-            self.runner, tokenizer, model.config.vocab_size, self.max_model_len, self.scheduler, self.outputs.eos_ids
+            self.runner, tokenizer, model.config.vocab_size, self.context, self.scheduler, self.outputs.eos_ids
         )
+        self.sampler = Sampler(self.outputs.eos_ids, self.speculative)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
@@ -141,7 +137,7 @@ class Engine:
     # requests -------------------------------------------------------------------------------------------
 
     def add_request(
-        self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         """Queues a request; raises RequestError (and changes nothing) when it cannot be served."""
         params = params or SamplingParams()
@@ -174,15 +170,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def room(self, prompt_len: int) -> int:
-        """How many tokens a prompt of prompt_len tokens leaves in the context (the longest max_tokens)."""
-        return self.inputs.room(prompt_len)
-
-    def check_context(self, prompt_len: int, max_tokens: int, tokens_param: str = "max_tokens") -> None:
-        """Raises `ContextLengthError` (a RequestError naming the part at fault) when a request overflows the
-        context; `add_request` applies the same rule."""
-        self.inputs.check_context(prompt_len, max_tokens, tokens_param)
-
     @property
     def num_blocks_in_use(self) -> int:
         """KV blocks some live request holds (cached free blocks do not count)."""
@@ -192,28 +179,41 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled batch; returns one output per request that produced a token or finished."""
+        """One step, read as vLLM v1's: the scheduler's plan, the runner's forwards, the sampler's tokens, one update
+        of the scheduler's books, then the outputs (forks and beams move on, text is detokenized, stop rules
+        end sequences). Returns one output per request that produced a token or finished."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
+        self._copy_blocks(plan)
+        model_output = self._execute(plan)
+        sampled = self.sampler.sample(model_output)
+        self.scheduler.update_from_output(plan, sampled)
+        return self._process(sampled)
+
+    def _copy_blocks(self, plan: SchedulerOutput) -> None:
         self.num_preemptions += len(plan.preempted)
         self.num_block_copies += len(plan.copies)
         self.kv.copy_blocks(plan.copies)
         if self.drafter is not None:
             self.drafter.kv.copy_blocks(plan.copies)
-        outputs = []
+
+    def _execute(self, plan: SchedulerOutput) -> ModelOutput:
+        """The runner's forwards over the plan: a forward per group of similar widths (prompt chunks packed in one
+        row where the model allows it), then the speculative sequences' drafts and their verification."""
+        output = ModelOutput()
         scheduled = [item for item in plan.scheduled if item[0] not in plan.drafts]
         # asked only of a step with prompt chunks: `packs` walks every layer (~50 us for SmolLM2's 30)
         pack = self.config.pack_prompts and any(n > 1 for _, n in scheduled) and self.runner.packs()
         for group in group_by_width(scheduled, pack=pack):
-            outputs += self._run(group, pack)
+            output.scored.append(self._forward(group, pack))
         if plan.drafts:
-            outputs += self._speculate(list(plan.drafts), list(plan.drafts.values()))
-        return outputs
+            output.verification = self._verify_drafts(list(plan.drafts), list(plan.drafts.values()))
+        return output
 
-    def _run(self, scheduled: list[tuple[Sequence, int]], pack: bool = False) -> list[RequestOutput]:
-        """One forward over sequences with their new tokens (prompt chunks packed in one row with `pack`); samples
-        where a sequence's tokens are all cached."""
+    def _forward(self, scheduled: list[tuple[SequenceState, int]], pack: bool = False) -> ScoredRows:
+        """One forward over sequences with their new tokens (prompt chunks packed in one row with `pack`); the rows
+        whose tokens will all be cached are due a next token."""
         seqs = [seq for seq, _ in scheduled]
         for seq in seqs:
             self.runner.start(seq)
@@ -232,49 +232,11 @@ class Engine:
             logits = self.runner.logits(seqs, batch, views)  # (B, V)
         if self.drafter is not None:
             self.drafter.follow(seqs, chunks, starts, self.config.pack_prompts)
-        greedy = greedy_tokens(logits).tolist() if any(seq.params.greedy for seq in seqs) else None  # one call
-        outputs = []
-        for row, (seq, n) in enumerate(scheduled):
-            self.scheduler.update_from_output(seq, n)
-            if seq.n_pending == 0:
-                outputs += self._next_token(seq, logits[row], greedy[row] if greedy else None)
-        return outputs
+        return ScoredRows(logits, [(row, seq) for row, (seq, n) in enumerate(scheduled) if n == seq.n_pending])
 
-    def _next_token(self, seq: Sequence, logits: torch.Tensor, best: int | None = None) -> list[RequestOutput]:
-        """A sequence's next token from its logits (V,): a beam's step, or a sample's token (and on the first
-        token of a request with n samples, its forks' first tokens from the same logits). `best` is the logits'
-        argmax when the caller has it (a greedy sample takes it)."""
-        request = self.requests[seq.request_id]
-        if request.beams is not None:
-            return self._beam_step(request, seq, logits)
-        members = [seq]
-        if not seq.output and seq.params.n > 1:
-            forks = request.fork(seq, self.allocator)
-            for child in forks:
-                self.outputs.add(seq.request_id, child.index, seq.params)
-            self.scheduler.add_running(forks)
-            members += forks
-        outputs = []
-        for member in members:
-            params, chosen_from = member.params, logits
-            if params.adjusts_logits:  # its own penalties and bias: the batch's argmax does not serve it
-                context, ends = member.tokens_between(0, member.length), self.outputs.eos_ids
-                chosen_from = adjust_logits(logits, params, context, member.output, ends)
-            if member.constraint is not None:  # a structured output: only the tokens that keep it valid
-                chosen_from = member.constraint.mask(chosen_from, None if chosen_from is logits else logits)
-            greedy = params.greedy and best is not None and chosen_from is logits
-            token = best if greedy else sample_token(chosen_from, params, member.generator)
-            member.output.append(token)
-            if member.constraint is not None:
-                member.constraint.advance(token)
-            logprob = None if params.logprobs is None else token_logprob(logits, token, params.logprobs)
-            outputs.append(self._emit(member, logprob))
-        return outputs
-
-    def _speculate(self, seqs: list[Sequence], lengths: list[int]) -> list[RequestOutput]:
-        """One speculative decode step: lengths[i] draft tokens for seqs[i] (the positions the scheduler
-        reserved), one target forward over each sequence's pending token and its drafts, then the rejection
-        scheme decides which tokens each sequence keeps."""
+    def _verify_drafts(self, seqs: list[SequenceState], lengths: list[int]) -> Verification:
+        """lengths[i] draft tokens for seqs[i] (the positions the scheduler reserved), then one target forward over
+        each sequence's pending token and its drafts; the sampler decides which tokens each sequence keeps."""
         assert self.drafter is not None
         proposals, draft_probs = self.drafter.propose(seqs, lengths)
         chunks = [
@@ -285,28 +247,39 @@ class Engine:
         views = self.kv.step_views([seq.table for seq in seqs], batch.positions)
         logits = self.runner.logits(seqs, batch, views, every_position=True)  # (B, 1 + drafts, V)
         self.speculative.target_calls += 1
+        return Verification(seqs, proposals, draft_probs, logits)
+
+    def _process(self, sampled: SamplerOutput) -> list[RequestOutput]:
+        """The sampled tokens become outputs: a request's first token forks its other samples, a beam's logits go
+        to its group, and each new token is detokenized under the stop rules (a sequence that stops is finished)."""
         outputs = []
-        greedy = any(seq.params.greedy for seq in seqs)
-        best = greedy_tokens(logits.flatten(0, 1)).view(logits.shape[:2]).tolist() if greedy else None  # one call
-        for row, (seq, drafted, q) in enumerate(zip(seqs, proposals, draft_probs, strict=True)):
-            if best is not None and seq.params.greedy:
-                kept = accept_greedy(drafted, best[row][: len(drafted) + 1])
-            else:
-                p = torch.stack([sampling_probs(logits[row, i], seq.params) for i in range(len(drafted) + 1)])
-                kept = accept_draft(drafted, q, p, seq.generator)
-            self.speculative.proposed += len(drafted)
-            self.speculative.accepted += len(kept) - 1
-            # the pending token and the accepted drafts are computed; the last kept token is pending
-            seq.draft_computed = min(seq.draft_computed, seq.n_computed + len(kept))
-            self.scheduler.update_from_output(seq, len(kept))
-            for token in kept:
-                seq.output.append(token)
-                outputs.append(self._emit(seq))
-                if outputs[-1].finished:
-                    break
+        for sample in sampled.samples:
+            seq = sample.seq
+            if sample.beam_logits is not None:
+                outputs += self._beam_step(self.requests[seq.request_id], seq, sample.beam_logits)
+                continue
+            forks = []
+            if sample.forks:  # forked before the parent may finish and free the prompt's blocks
+                forks = self.requests[seq.request_id].fork(seq, self.allocator, sample.forks)
+                for child in forks:
+                    self.outputs.add(seq.request_id, child.index, seq.params)
+                self.scheduler.add_running(forks)
+            outputs += self._append(seq, sample.tokens, sample.logprob)
+            for child, fork in zip(forks, sample.forks, strict=True):
+                outputs += self._append(child, [fork.token], fork.logprob)
         return outputs
 
-    def _beam_step(self, request: Request, seq: Sequence, logits: torch.Tensor) -> list[RequestOutput]:
+    def _append(self, seq: SequenceState, tokens: list[int], logprob: TokenLogprob | None) -> list[RequestOutput]:
+        """Appends a sequence's new tokens one by one, an output each, until one stops it."""
+        outputs = []
+        for token in tokens:
+            seq.output.append(token)
+            outputs.append(self._emit(seq, logprob))
+            if outputs[-1].finished:
+                break
+        return outputs
+
+    def _beam_step(self, request: Request, seq: SequenceState, logits: torch.Tensor) -> list[RequestOutput]:
         """A beam's next-token logits; once the request's live beams all have theirs, the beams move on.
 
         Beam search streams nothing until it ends: then one output carries the best hypothesis whole.
@@ -327,7 +300,7 @@ class Engine:
         request.beams = None
         return [self.outputs.beam_result(seq.request_id, *group.result())]
 
-    def _emit(self, seq: Sequence, logprob: TokenLogprob | None = None) -> RequestOutput:
+    def _emit(self, seq: SequenceState, logprob: TokenLogprob | None = None) -> RequestOutput:
         out = self.outputs.process(seq, logprob)
         request = self.requests[seq.request_id]
         if request.prompt_logprobs is not None and seq.index == 0:  # the request's first output carries them
@@ -339,7 +312,9 @@ class Engine:
     # convenience ----------------------------------------------------------------------------------------
 
     def generate(
-        self, prompts: str | Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+        self,
+        prompts: str | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
         """Runs every prompt to completion (continuous batching among them).
 
@@ -347,7 +322,7 @@ class Engine:
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params_list = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
+        params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
         first = {rid: self.requests[rid].sequences()[0] for rid in ids}
         done = {
@@ -363,7 +338,7 @@ class Engine:
             self.abort(rid)  # finished already: this only forgets the request
         return list(done.values())
 
-    def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields the request's tokens and text as they are produced (other requests keep running).
 
         With n > 1 samples, outputs of all samples interleave; `index` tells them apart.

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tformer.engine.sampling import SamplingParams, TokenLogprob
-from tformer.engine.scheduler import Sequence
-from tformer.engine.text import TextTracker, Tokenizer
+from tformer.engine.scheduler import SequenceState
+from tformer.engine.text import TextCodec, TextTracker
 
 
 @dataclass
@@ -60,7 +60,7 @@ class OutputProcessor:
     ends the sequence in the scheduler.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, max_model_len: int) -> None:
+    def __init__(self, tokenizer: TextCodec | None, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         eos = getattr(tokenizer, "eos_id", None)
@@ -76,7 +76,7 @@ class OutputProcessor:
         for index in range(n):
             self._texts.pop((request_id, index), None)
 
-    def process(self, seq: Sequence, logprob: TokenLogprob | None = None) -> RequestOutput:
+    def process(self, seq: SequenceState, logprob: TokenLogprob | None = None) -> RequestOutput:
         """The output of the token just appended to `seq` (and its `logprob`, when asked): its new text, and whether
         and why the sample stops."""
         token, params = seq.output[-1], seq.params

@@ -1,15 +1,13 @@
 """Requests on their way in: a prompt becomes a sequence the engine can serve, or is refused before anything changes.
 
-`InputProcessor` tokenizes and checks a prompt, applies the context-length rule (`check_context`, the one place
-it lives: the engine, `AsyncEngine` and the server's `check_fits` all ask it) and builds the request's first
-sequence with its family's decoder prompt. `Request` keeps the books of one request: its samples, keyed by
-(request_id, index), and its beams.
+`InputProcessor` tokenizes and checks a prompt and its parameters' token ids, applies the context-length rule
+(`ContextWindow`, the one place it lives) and builds the request's first sequence with its family's decoder
+prompt. `Request` keeps the books of one request: its samples, keyed by (request_id, index), and its beams.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from collections.abc import Sequence as Seq
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -17,10 +15,11 @@ import torch
 from tformer.engine.beams import BeamGroup
 from tformer.engine.blocks import BlockAllocator
 from tformer.engine.runner import ModelRunner
+from tformer.engine.sampler import Fork
 from tformer.engine.sampling import SamplingParams, TokenLogprob, make_generator, token_logprob
-from tformer.engine.scheduler import Scheduler, Sequence, Status
+from tformer.engine.scheduler import Scheduler, SequenceState, Status
 from tformer.engine.structured import GrammarCompiler
-from tformer.engine.text import Tokenizer
+from tformer.engine.text import TextCodec
 from tformer.errors import RequestError
 
 
@@ -39,18 +38,18 @@ class Request:
 
     request_id: str
     params: SamplingParams
-    samples: list[Sequence] = field(default_factory=list)  # samples[i].index == i
+    samples: list[SequenceState] = field(default_factory=list)  # samples[i].index == i
     beams: BeamGroup | None = None
     # with SamplingParams.prompt_logprobs: one entry per prompt position so far (None for the first), until the
     # request's first output carries them
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
-    def records_prompt(self, seq: Sequence) -> bool:
+    def records_prompt(self, seq: SequenceState) -> bool:
         """Whether a step over `seq` still adds to the request's prompt log-probabilities."""
         recorded = self.prompt_logprobs
         return recorded is not None and seq.index == 0 and len(recorded) < len(seq.prompt)
 
-    def record_prompt(self, seq: Sequence, start: int, after_each: torch.Tensor) -> None:
+    def record_prompt(self, seq: SequenceState, start: int, after_each: torch.Tensor) -> None:
         """The log-probabilities of the prompt tokens that a step's tokens from `start` predict, from the logits
         after each of them (n, V); a prefix computed again after a preemption adds nothing twice."""
         recorded = self.prompt_logprobs
@@ -60,66 +59,52 @@ class Request:
             if target == len(recorded) and target < len(seq.prompt):
                 recorded.append(token_logprob(logits, seq.prompt[target], seq.params.prompt_logprobs or 0))
 
-    def sequences(self) -> list[Sequence]:
+    def sequences(self) -> list[SequenceState]:
         """Every sequence of the request still in the engine's books."""
         return self.samples + (self.beams.live if self.beams is not None else [])
 
-    def fork(self, parent: Sequence, allocator: BlockAllocator) -> list[Sequence]:
-        """Samples 1..n-1 of a request whose prompt is now cached: each shares every block of the prompt, and
+    def fork(self, parent: SequenceState, allocator: BlockAllocator, forks: list[Fork]) -> list[SequenceState]:
+        """Samples 1..n-1 of a request whose prompt is now cached, as the sampler drew them (their random streams
+        and constraints; the engine appends their first tokens): each shares every block of the prompt, and
         arrived with the request."""
-        children = []
-        for i in range(1, self.params.n):
-            seed = None if self.params.seed is None else self.params.seed + i
-            children.append(
-                Sequence(
-                    parent.request_id,
-                    parent.prompt,
-                    parent.params,
-                    None if self.params.greedy else make_generator(seed),
-                    table=allocator.fork(parent.table),
-                    n_computed=parent.n_computed,
-                    draft_computed=parent.draft_computed,
-                    status=Status.RUNNING,
-                    arrival=parent.arrival,
-                    source=parent.source,
-                    encoder_state=parent.encoder_state,
-                    index=i,
-                    block_hashes=list(parent.block_hashes),
-                    constraint=None if parent.constraint is None else parent.constraint.copy(),
-                )
+        children = [
+            SequenceState(
+                parent.request_id,
+                parent.prompt,
+                parent.params,
+                fork.generator,
+                table=allocator.fork(parent.table),
+                n_computed=parent.n_computed,
+                draft_computed=parent.draft_computed,
+                status=Status.RUNNING,
+                arrival=parent.arrival,
+                source=parent.source,
+                encoder_state=parent.encoder_state,
+                index=fork.index,
+                block_hashes=list(parent.block_hashes),
+                constraint=fork.constraint,
             )
+            for fork in forks
+        ]
         self.samples += children
         return children
 
 
-class InputProcessor:
-    """Prompts in: tokenization, validation, the context-length rule and the request's first sequence (with its
-    structured output's `Constraint`; `ends` are the end-of-sequence ids a constraint allows once complete)."""
+class ContextWindow:
+    """The context-length rule, the one place it lives: what a prompt leaves room for, and whether a request fits.
+    The engine's `InputProcessor`, `AsyncEngine` and the server's `check_fits` all ask it; it reads only the
+    engine's configuration, so any thread may."""
 
-    def __init__(
-        self,
-        runner: ModelRunner,
-        tokenizer: Tokenizer | None,
-        vocab_size: int,
-        max_model_len: int,
-        scheduler: Scheduler,
-        ends: Iterable[int] = (),
-    ) -> None:
+    def __init__(self, runner: ModelRunner, max_model_len: int) -> None:
         self.runner = runner
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.scheduler = scheduler
-        bos = getattr(tokenizer, "bos_id", None)
-        self.bos_id = 1 if bos is None else bos
-        self.grammars = GrammarCompiler(tokenizer, vocab_size, ends)
 
-    def room(self, prompt_len: int) -> int:
+    def max_new_tokens(self, prompt_len: int) -> int:
         """How many tokens a prompt of prompt_len tokens leaves in the context (the longest max_tokens)."""
         decoder_prompt, _ = self.runner.context_lengths(prompt_len)
         return self.max_model_len - decoder_prompt
 
-    def check_context(self, prompt_len: int, max_tokens: int, tokens_param: str = "max_tokens") -> None:
+    def check(self, prompt_len: int, max_tokens: int, tokens_param: str = "max_tokens") -> None:
         """Raises ContextLengthError when a prompt of prompt_len tokens, or it with max_tokens more, overflows the
         context; `tokens_param` is the name the caller gave max_tokens (the message and `param` use it)."""
         _, source = self.runner.context_lengths(prompt_len)
@@ -127,7 +112,7 @@ class InputProcessor:
             raise ContextLengthError(
                 f"the source has {source} tokens; the model reads at most {self.max_model_len}; shorten it", "prompt"
             )
-        room = self.room(prompt_len)
+        room = self.max_new_tokens(prompt_len)
         if room < 1:
             raise ContextLengthError(
                 f"the prompt has {prompt_len} tokens but the model's context holds {self.max_model_len}; shorten it",
@@ -140,13 +125,34 @@ class InputProcessor:
                 tokens_param,
             )
 
-    def new_sequence(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> Sequence:
+
+class InputProcessor:
+    """Prompts in: tokenization, validation, the context-length rule and the request's first sequence (with its
+    structured output's `Constraint`; `ends` are the end-of-sequence ids a constraint allows once complete)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: TextCodec | None,
+        vocab_size: int,
+        context: ContextWindow,
+        scheduler: Scheduler,
+        ends: Iterable[int] = (),
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context = context
+        self.scheduler = scheduler
+        bos = getattr(tokenizer, "bos_id", None)
+        self.bos_id = 1 if bos is None else bos
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, ends)
+
+    def new_sequence(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> SequenceState:
         """The request's first sequence; raises RequestError when the engine cannot serve it."""
         ids = self.encode(prompt)
-        self.check_context(len(ids), params.max_tokens)
-        if any(token >= self.vocab_size for token in params.logit_bias):
-            biased = sorted(params.logit_bias)
-            raise RequestError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {biased}")
+        self.context.check(len(ids), params.max_tokens)
+        self.check_token_ids(params)
         decoder_prompt, source = self.runner.split_prompt(ids, self.bos_id)
         if source is not None and params.prompt_logprobs is not None:
             raise RequestError(
@@ -160,9 +166,17 @@ class InputProcessor:
             raise RequestError(f"the request needs {blocks} KV blocks; the pool has {pool}")
         generator = None if params.greedy else make_generator(params.seed)
         constraint = None if params.structured is None else self.grammars.constraint(params.structured)
-        return Sequence(request_id, decoder_prompt, params, generator, source=source, constraint=constraint)
+        return SequenceState(request_id, decoder_prompt, params, generator, source=source, constraint=constraint)
 
-    def encode(self, prompt: str | Seq[int]) -> list[int]:
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """Raises RequestError when a token id the parameters name (stop_token_ids, logit_bias) is not in the
+        vocabulary."""
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            outside = sorted(token for token in ids if not 0 <= token < self.vocab_size)
+            if outside:
+                raise RequestError(f"{name} token ids must be in [0, {self.vocab_size}), got {outside[:8]}")
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """The prompt's token ids, checked against the vocabulary."""
         if isinstance(prompt, str):
             if self.tokenizer is None:

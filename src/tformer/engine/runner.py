@@ -30,7 +30,7 @@ from torch import nn
 
 from tformer.engine.packing import packed_views
 from tformer.engine.paged import PagedKVCache, PagedLayerKV
-from tformer.engine.scheduler import Sequence
+from tformer.engine.scheduler import SequenceState
 from tformer.layers.attention import Attention
 from tformer.layers.kv_cache import CrossKV, LayerCache
 from tformer.models import DecoderLM, EncoderDecoder, TransformerModel
@@ -181,7 +181,7 @@ class ModelRunner(Protocol):
         """(decoder prompt tokens, source tokens) a prompt of prompt_len tokens takes in the context."""
         ...
 
-    def start(self, seq: Sequence) -> None:
+    def start(self, seq: SequenceState) -> None:
         """Prepares a sequence's per-request state before its first step (an encoder's output)."""
         ...
 
@@ -190,7 +190,7 @@ class ModelRunner(Protocol):
         ...
 
     def logits(
-        self, seqs: list[Sequence], batch: StepBatch, views: list[PagedLayerKV], every_position: bool = False
+        self, seqs: list[SequenceState], batch: StepBatch, views: list[PagedLayerKV], every_position: bool = False
     ) -> torch.Tensor:
         """Each row's next-token logits (B, V); with `every_position`, those after every token (B, T, V)."""
         ...
@@ -211,7 +211,7 @@ class DecoderRunner:
     def context_lengths(self, prompt_len: int) -> tuple[int, int]:
         return prompt_len, 0
 
-    def start(self, seq: Sequence) -> None:
+    def start(self, seq: SequenceState) -> None:
         """Nothing to prepare: a decoder has no per-request state besides its KV blocks."""
 
     def packs(self) -> bool:
@@ -224,7 +224,7 @@ class DecoderRunner:
         return all(isinstance(attn := layer.self_attn, Attention) and attn.attends_plainly() for layer in stack.layers)
 
     def logits(
-        self, seqs: list[Sequence], batch: StepBatch, views: list[PagedLayerKV], every_position: bool = False
+        self, seqs: list[SequenceState], batch: StepBatch, views: list[PagedLayerKV], every_position: bool = False
     ) -> torch.Tensor:
         """Each row's next-token logits (B, V); with `every_position`, those after every token (B, T, V)."""
         caches = [LayerCache(view) for view in views]
@@ -266,7 +266,7 @@ class Seq2SeqRunner:
         """Never: each row's cross-attention reads its own source."""
         return False
 
-    def start(self, seq: Sequence) -> None:
+    def start(self, seq: SequenceState) -> None:
         if seq.encoder_state is not None:
             return
         source = torch.tensor([seq.source], device=self.model.decoder.tokens.weight.device)  # (1, S)
@@ -275,7 +275,7 @@ class Seq2SeqRunner:
         seq.encoder_state = EncoderState([k for k, _ in pairs], [v for _, v in pairs])
 
     def logits(
-        self, seqs: list[Sequence], batch: StepBatch, views: list[PagedLayerKV], every_position: bool = False
+        self, seqs: list[SequenceState], batch: StepBatch, views: list[PagedLayerKV], every_position: bool = False
     ) -> torch.Tensor:
         if every_position:
             raise NotImplementedError("speculative decoding serves decoder-only models")
@@ -334,8 +334,8 @@ def step_inputs(
 
 
 def group_by_width(
-    scheduled: list[tuple[Sequence, int]], max_padding: float = 0.1, pack: bool = False
-) -> list[list[tuple[Sequence, int]]]:
+    scheduled: list[tuple[SequenceState, int]], max_padding: float = 0.1, pack: bool = False
+) -> list[list[tuple[SequenceState, int]]]:
     """Splits a step into forwards: decode rows (one new token) run together; prompt chunks run together when
     padding them to the widest of their group wastes at most `max_padding` of the group's tokens, or all in one
     packed row with `pack` (no padding at all; see packing.py).
@@ -351,7 +351,7 @@ def group_by_width(
     if pack:
         prompts = [item for item in scheduled if item[1] > 1]
         return [group for group in (decodes, prompts) if group]
-    groups: list[list[tuple[Sequence, int]]] = []
+    groups: list[list[tuple[SequenceState, int]]] = []
     for item in sorted((item for item in scheduled if item[1] > 1), key=lambda item: -item[1]):
         group = groups[-1] if groups else None
         if group is not None and (len(group) + 1) * group[0][1] <= (1 + max_padding) * (

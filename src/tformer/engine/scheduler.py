@@ -2,7 +2,7 @@
 
 The scheduler owns its queues: `add_request` puts a new sequence in the waiting queue, `add_running` a fork of
 a running one (a parallel sample, a beam), `schedule` plans a step, `update_from_output` books what the step
-computed, and `finish` ends a sequence. The engine only reads the queues.
+computed (once per step), and `finish` ends a sequence. The engine only reads the queues.
 
 Each step it decides which sequences run and how many of their tokens: running sequences first, in order of
 arrival (a decode step is one token; an unfinished prompt continues in chunks), then waiting ones as long as
@@ -22,12 +22,16 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from tformer.engine.blocks import BlockAllocator, BlockCopy, BlockHash
 from tformer.engine.sampling import SamplingParams
 from tformer.engine.structured import Constraint
+
+if TYPE_CHECKING:
+    from tformer.engine.sampler import SamplerOutput
 
 
 class Status(Enum):
@@ -40,7 +44,7 @@ _arrivals = itertools.count()
 
 
 @dataclass(eq=False)  # a sequence is itself: two beams or samples with equal fields are still two sequences
-class Sequence:
+class SequenceState:
     """One stream of tokens: its prompt, what it has generated, and its place in the paged cache."""
 
     request_id: str
@@ -84,10 +88,10 @@ class Sequence:
 class SchedulerOutput:
     """One step's plan: which sequences run with how many new tokens, and the blocks to copy first."""
 
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    scheduled: list[tuple[SequenceState, int]] = field(default_factory=list)
     copies: list[BlockCopy] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    drafts: dict[Sequence, int] = field(default_factory=dict)  # draft positions reserved for a decode step
+    preempted: list[SequenceState] = field(default_factory=list)
+    drafts: dict[SequenceState, int] = field(default_factory=dict)  # draft positions reserved for a decode step
 
 
 class Scheduler:
@@ -111,14 +115,14 @@ class Scheduler:
         self.lookahead = lookahead  # speculative decoding: draft tokens a decode step may verify
         self.max_model_len = max_model_len
         self.prefix_hit_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in order of arrival: the last is the first to be preempted
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []  # in order of arrival: the last is the first to be preempted
 
-    def add_request(self, seq: Sequence) -> None:
+    def add_request(self, seq: SequenceState) -> None:
         """A new sequence waits for its first step."""
         self.waiting.append(seq)
 
-    def add_running(self, seqs: list[Sequence]) -> None:
+    def add_running(self, seqs: list[SequenceState]) -> None:
         """Forks of a running sequence (parallel samples, the next beams): they already hold blocks and run next step,
         in their request's place among the running."""
         for seq in seqs:
@@ -143,7 +147,7 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
-    def draft_length(self, seq: Sequence) -> int:
+    def draft_length(self, seq: SequenceState) -> int:
         """Draft tokens the next step of `seq` may verify: none for a prompt, a beam, a request with penalties, a
         logit bias, logprobs or a structured output, or without a draft, and never more than its max_tokens or the
         context leave room for."""
@@ -157,7 +161,17 @@ class Scheduler:
             room = min(room, self.max_model_len - seq.length)
         return max(0, min(self.lookahead, room))
 
-    def update_from_output(self, seq: Sequence, n_new: int) -> None:
+    def update_from_output(self, plan: SchedulerOutput, output: SamplerOutput) -> None:
+        """Books what a step computed, once per step (vLLM v1's): every scheduled sequence's new tokens, and for a
+        speculative one the pending token and the drafts it kept (`output.kept`); the draft's cache rolls back to
+        them."""
+        for seq, n in plan.scheduled:
+            if seq in plan.drafts:
+                n = output.kept[seq]
+                seq.draft_computed = min(seq.draft_computed, seq.n_computed + n)
+            self.record_computed(seq, n)
+
+    def record_computed(self, seq: SequenceState, n_new: int) -> None:
         """After a step computed the keys and values of n_new more tokens of `seq`: its newly full blocks become
         prefix-cache entries, and under a sliding window the blocks no later token can see go back to the pool.
 
@@ -171,7 +185,7 @@ class Scheduler:
         if self.window is not None and not self.lookahead:  # a draft may roll back and its own cache may be full
             self.allocator.release_before(seq.table, seq.n_computed - self.window + 1)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: SequenceState, reason: str) -> None:
         """Ends a sequence (stopped, cancelled or rejected) and returns its blocks to the pool."""
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.allocator.free(seq.table)
@@ -220,7 +234,7 @@ class Scheduler:
             self._reserve(seq, n, out, extra)
             budget -= n + extra
 
-    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput, extra: int = 0) -> None:
+    def _reserve(self, seq: SequenceState, n: int, out: SchedulerOutput, extra: int = 0) -> None:
         """Blocks for `n` new tokens plus `extra` draft positions; the plan records both."""
         end = seq.n_computed + n + extra
         self.allocator.grow(seq.table, end)
@@ -229,11 +243,11 @@ class Scheduler:
         if extra:
             out.drafts[seq] = extra
 
-    def _insert_running(self, seq: Sequence) -> None:
+    def _insert_running(self, seq: SequenceState) -> None:
         """Keeps `running` in order of arrival; a sequence goes after those that arrived with it or before."""
         bisect.insort_right(self.running, seq, key=lambda s: s.arrival)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: SequenceState) -> None:
         self.running.remove(seq)
         self.allocator.free(seq.table)
         seq.n_computed = seq.draft_computed = 0

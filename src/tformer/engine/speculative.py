@@ -16,7 +16,7 @@ target runs over, then proposes tokens for the decode rows of a step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +31,7 @@ from tformer.engine.sampling import (
     sample_index,
     sampling_probs,
 )
-from tformer.engine.scheduler import Sequence
+from tformer.engine.scheduler import SequenceState
 from tformer.errors import ConfigError
 from tformer.models import DecoderLM, TransformerModel
 
@@ -80,7 +80,7 @@ class SpeculativeStats:
 class _Rows:
     """Per-row state of a batch: token ids so far, how many each model has cached, and the row's goal."""
 
-    def __init__(self, prompts: Seq[Seq[int]], max_tokens: int) -> None:
+    def __init__(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> None:
         self.ids = [list(p) for p in prompts]
         self.goal = [len(p) + max_tokens for p in prompts]
         self.target_cached = [0] * len(prompts)
@@ -103,7 +103,7 @@ def _feed(model: DecoderLM, cache: list, rows: list[list[int]], starts: list[int
 def speculative_generate(
     target: DecoderLM,
     draft: DecoderLM,
-    prompts: Seq[Seq[int]],
+    prompts: Sequence[Sequence[int]],
     params: SamplingParams,
     k: int = 4,
     stats: SpeculativeStats | None = None,
@@ -186,7 +186,7 @@ class Drafter:
         self.runner = DecoderRunner(draft, compile)
         self.kv = kv
 
-    def follow(self, seqs: list[Sequence], chunks: list[list[int]], starts: list[int], pack: bool = True) -> None:
+    def follow(self, seqs: list[SequenceState], chunks: list[list[int]], starts: list[int], pack: bool = True) -> None:
         """Runs the draft over the tokens the target has just run (chunks[i] from position starts[i]; prompt chunks
         packed in one row with `pack`, where the draft allows it too): its cache keeps pace.
 
@@ -201,7 +201,7 @@ class Drafter:
             if seq.draft_computed == start:
                 seq.draft_computed = start + len(chunk)
 
-    def propose(self, seqs: list[Sequence], lengths: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    def propose(self, seqs: list[SequenceState], lengths: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
         """lengths[i] draft tokens for each sequence (one forward per token, over the rows still drafting) and
         the distributions they were drawn from, (lengths[i], V), by each sequence's own sampling parameters
         (empty for a greedy sequence, whose drafts are the draft's argmax).

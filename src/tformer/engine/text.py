@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 
-class Tokenizer(Protocol):
-    """What the engine needs from a tokenizer."""
+class TextCodec(Protocol):
+    """What the engine needs from a tokenizer (`tformer.data.tokenizer.Tokenizer` is one): text to ids and back."""
 
     bos_id: int | None
     eos_id: int | None
@@ -32,7 +32,7 @@ class TextTracker:
     string to straddle the two.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str]) -> None:
+    def __init__(self, tokenizer: TextCodec | None, stop: Sequence[str]) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop)
         self.text = ""  # the end of the text so far: sent context, then unsent text

@@ -125,7 +125,7 @@ class Server:
         """Names the parameter at fault when a request overflows the context (the engine's rule, applied before the
         request is queued)."""
         try:
-            self.engine.check_context(prompt_len, max_tokens, tokens_param)
+            self.engine.context.check(prompt_len, max_tokens, tokens_param)
         except ContextLengthError as err:
             param = prompt_param if err.param == "prompt" else tokens_param
             raise APIError(400, str(err), param=param, code="context_length_exceeded") from None
@@ -351,7 +351,9 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         tools = body.tool_calls()
         ids = server.chat_prompt(body.messages, tools=body.template_tools())
         tokens_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(server.engine.room(len(ids)), 1)
+        max_tokens = (
+            body.max_completion_tokens or body.max_tokens or max(server.engine.context.max_new_tokens(len(ids)), 1)
+        )
         server.check_fits(len(ids), max_tokens, "messages", tokens_param)
         fmt = ChatFormat(new_id(ChatFormat.id_prefix), server.model_name, server.token_text, tools=tools)
         params = body.sampling_params(max_tokens, tools)
