@@ -1,8 +1,8 @@
 """Causal attention of prompt chunks on the CPU, in fp32 over bfloat16 tensors: flash attention's online softmax.
 
-torch's CPU flash kernel ran the prefill attention of SmolLM2-135M (9 query heads on 3 KV heads of 64) at 40-85
-GFLOP/s in bf16 on a 2-core Xeon without AVX512-BF16: 1.36-1.48 ms a layer for five prompts of 100 tokens, a sixth
-of a packed prefill forward. `causal_attention.cpp` computes the same, causal attention of T queries at the last T
+torch's CPU flash kernel runs bf16 attention slowly on a CPU without AVX512-BF16, a large share of a packed
+prefill forward for SmolLM2-135M, 9 query heads on 3 KV heads of 64 (docs/design-notes.md,
+"kernels/causal_attention.py"). `causal_attention.cpp` computes the same, causal attention of T queries at the last T
 of Tk key slots (a whole prompt: T = Tk; a chunk after cached tokens: T < Tk), on vector lanes: each KV head's keys
 and values are converted to fp32 once, the keys transposed so that a register holds one dimension of 16 keys (8 on
 AVX2); a task takes 16 queries of every query head sharing that KV head and scores eight query rows (four on AVX2)
@@ -36,10 +36,8 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 # Past this many keys torch's flash kernel is faster: its unmasked part (a chunk's queries over the keys cached before
-# it) runs the query heads of a KV head as one matrix (`causal_suffix_attention`). One 512-token chunk of SmolLM2's
-# heads, bf16, 2 threads (2026-12-04, medians of 8, alternating): 33.4 ms here against 26.4 over 3,792 keys, 16.7
-# against 14.5 over 2,048, 7.2 against 8.1 over 1,024; a 512-token prompt alone 2.6 against 3.8, 128 tokens 0.24
-# against 0.35.
+# it) runs the query heads of a KV head as one matrix (`causal_suffix_attention`); a short prompt is faster here
+# (docs/design-notes.md, "kernels/causal_attention.py").
 MAX_KEYS = 1024
 
 

@@ -4,17 +4,15 @@ w ≈ q * s with q a `torch.float8_e4m3fn` value (4 exponent bits, 3 mantissa bi
 s = max |w_row| / 448 per output row. A decode step reads one byte per weight, as INT8 does.
 
 This CPU (AVX512-BF16, no AMX-FP8 or AVX10.2) has no instruction that multiplies or even converts fp8, so the
-weight is turned into a 16-bit float on every call and multiplied there. What that conversion costs decided
-the layout (SmolLM2-135M's 49152 x 576 head, 2 threads, 2026-12-02):
-- torch's own conversions from float8 (`.to(torch.bfloat16)`, `.float()`, `.half()`) took 45-85 ms for the
-  head (0.3-0.6 G elements/s; int8 to bf16: 2.5 ms), against 3.0 ms for the whole bf16 matmul.
-  `torch._scaled_mm` exists on the CPU but is slower still (159 ms), and needs fp8 activations besides;
+weight is turned into a 16-bit float on every call and multiplied there. torch's own float8 conversions (and
+`torch._scaled_mm`) cost many times the whole bf16 matmul, so the conversion works on bits instead:
 - every e4m3 value is exactly an fp16 value times 2^8, and a bf16 value times 2^120, whose bits are the byte's
-  bits shifted (`e4m3_bits_as`): three vectorized integer passes, 4.3 ms for the head;
-- fp16 matmuls of one row ran 1.5 ms where bf16 took 2.3-3.0, but 40 rows took 61 ms against 4.1, so batch-1
-  decoding multiplies in fp16 and everything else in bf16 (fp16 to bf16 is as slow as fp8 to bf16).
+  bits shifted (`e4m3_bits_as`): three vectorized integer passes;
+- fp16 matmuls are faster than bf16 for one row but far slower for many, so batch-1 decoding multiplies in fp16
+  and everything else in bf16 (fp16 to bf16 is as slow as fp8 to bf16).
 So FP8 costs a bf16 matmul plus a pass over the weight bytes: it loses to INT8, whose packed kernel reads int8
-straight into its dot products (`docs/engine.md` has the engine's figures).
+straight into its dot products (`docs/engine.md` has the engine's figures; the conversions' measurements:
+docs/design-notes.md, "kernels/fp8.py").
 """
 
 from __future__ import annotations
@@ -50,8 +48,8 @@ def to_e4m3(values: torch.Tensor) -> torch.Tensor:
 
 
 def _int16_buffer(numel: int, device: torch.device) -> torch.Tensor:
-    """A reused int16 buffer of at least `numel` elements: a fresh 56 MB tensor per call costs page faults
-    (20 ms for the head's conversion instead of 4)."""
+    """A reused int16 buffer of at least `numel` elements: a fresh 56 MB tensor per call (the head's) costs page
+    faults that take longer than the conversion itself (docs/design-notes.md, "kernels/fp8.py")."""
     buffers = _scratch.__dict__.setdefault("by_device", {})
     buffer = buffers.get(device)
     if buffer is None or buffer.numel() < numel:
@@ -78,9 +76,9 @@ def fp8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> 
     """x (N, in) times the e4m3 weight (out, in) with fp32 scales (out,) -> (N, out) in x's dtype.
 
     Each row of x is scaled to max |x| = 1, so neither fp16's range (65504) nor bf16's with the 2^120 factor
-    can overflow. One row (batch-1 decoding) multiplies in fp16, 1.15-1.2x bf16's speed here; more rows in bf16, as
-    fp16 matmuls of 40 rows ran 12-15x slower than bf16. A custom op, so that torch.compile calls it as it is:
-    inductor's own fused conversion took 5x longer than these three integer passes."""
+    can overflow. One row (batch-1 decoding) multiplies in fp16, faster than bf16 there; more rows in bf16, as fp16
+    matmuls of many rows are far slower. A custom op, so that torch.compile calls it as it is: inductor's own fused
+    conversion was slower than these three integer passes (docs/design-notes.md, "kernels/fp8.py")."""
     rows = x.float()
     row_max = rows.abs().amax(1, keepdim=True).clamp(min=1e-30)  # (N, 1)
     if x.shape[0] == 1:

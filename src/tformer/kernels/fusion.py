@@ -2,11 +2,10 @@
 
 Attention's q, k and v projections, and a gated MLP's gate and up projections, each multiply the same input.
 At batch 1 every matmul pays a fixed cost (a kernel launch, the packed kernels' setup), so three INT4 matmuls of
-576 -> 576, 192, 192 take twice as long as one of 576 -> 960 (SmolLM2-135M, 2 cores: 54 against 26 us; W8A8: 123
-against 45 us). Joining weights by their output rows changes no number a row computes: each output row keeps its
-own weights, and INT4 groups, INT8 and FP8 scales are per output row, so a fused layer quantizes to exactly the
-rows of the separate ones. `set_precision` fuses before it quantizes; INT4 layers read from a GGUF file, already
-packed, are joined as they are.
+576 -> 576, 192, 192 take much longer than one of 576 -> 960 (docs/design-notes.md, "kernels/fusion.py").
+Joining weights by their output rows changes no number a row computes: each output row keeps its own weights, and INT4
+groups, INT8 and FP8 scales are per output row, so a fused layer quantizes to exactly the rows of the separate ones.
+`set_precision` fuses before it quantizes; INT4 layers read from a GGUF file, already packed, are joined as they are.
 """
 
 from __future__ import annotations

@@ -9,15 +9,14 @@ x ≈ (254 q_x + r_x) d with d = max |x| / (127 * 254): q_x as llama.cpp's Q8_1 
 254 times finer. A row's block contributes scale * d * Σ q (254 q_x + r_x) + minimum * Σ x, the last sum over the
 float activations. The integer sums run on AVX512-VNNI's `vpdpbusd`: one instruction multiplies 64 4-bit weights
 by 64 int8 activations. Every output is computed in the same order whatever the batch, so a row's result never
-depends on the other rows (tested exactly). SmolLM2-135M's John 1 perplexity is float activations' (12.508; one
-step alone 12.748): see docs/engine.md.
+depends on the other rows (tested exactly). Two steps keep SmolLM2-135M's perplexity at float activations', which
+one step alone raises (docs/design-notes.md, "kernels/int4.py").
 
 Layout: (N / 16, K / 32, 320) uint8, one 320-byte chunk per 16 output rows and 32 input columns: 256 bytes of
 weights arranged for the dot products (`pack`), then the 16 scales and the 16 minimums in fp16. Fused layers
-join by concatenating chunks. Against torch's own packed INT4 kernel (`_weight_int4pack_mm_for_cpu`, bf16
-activations), SmolLM2's shapes on 2 cores of this AMD EPYC, weights in the CPU's caches (2026-12-02): 0.9-1.6x at
-1 row and 1.8-2.0x at 32 and 450 rows (one int8 step: 1.5-3.4x and 2.6-3.4x). In the engine at batch 1, where the
-weights stream from memory and each call costs 3.5 us, INT4 went from 0.89x llama.cpp to 1.17-1.18x. Without
+join by concatenating chunks. It is faster than torch's own packed INT4 kernel (`_weight_int4pack_mm_for_cpu`,
+bf16 activations), most of all at many rows, and took the engine's batch-1 INT4 decoding from behind llama.cpp to
+ahead of it (docs/design-notes.md, "kernels/int4.py"). Without
 AVX512-VNNI, on AVX2 (AMD's Zen 3), the same format runs on `vpmaddubsw` (32 products an instruction), else on a
 portable loop; without a C++ compiler, or off the CPU, the layer multiplies by its dequantized weight.
 """

@@ -3,11 +3,11 @@
 `quantize_int8` and `dequantize_int8` are the formula (llama.cpp's q8_0 with one scale per head_dim values):
 scale = max |x| / 127 and numbers = round(x / scale). An eager prompt step would run it as some 15 torch ops a
 layer for keys and as many for values (the rounding, the scatter into the pool, the scales' scatter, the read-back
-the step attends to), which made a packed 500-token prefill step of SmolLM2-135M 12-27 ms slower than with a bf16
-cache (2026-12-04). `kv_int8.cpp` does each write in one pass (`store_rounded`) and each gathered read in one
-(`read_rounded`), with the formula's exact bits. They return None where they do not apply (not the CPU, a
-torch.compile trace, which fuses the formula itself, gradients, a dtype other than bfloat16 or float32, a machine
-without the kernel, or TFORMER_KV_INT8_KERNEL=0 in the environment): the caller then runs the formula.
+the step attends to), which made a packed prefill step of SmolLM2-135M markedly slower than with a bf16 cache
+(docs/design-notes.md, "kernels/kv_int8.py"). `kv_int8.cpp` does each write in one pass (`store_rounded`) and
+each gathered read in one (`read_rounded`), with the formula's exact bits. They return None where they do not apply (not
+the CPU, a torch.compile trace, which fuses the formula itself, gradients, a dtype other than bfloat16 or float32, a
+machine without the kernel, or TFORMER_KV_INT8_KERNEL=0 in the environment): the caller then runs the formula.
 """
 
 from __future__ import annotations

@@ -2,22 +2,19 @@
 
 The paged cache otherwise gathers every row's keys and values into a dense (B, Hkv, Tk, D) copy per layer per step,
 padded to the batch's longest row, and the attention matmuls read that copy again. Under load this traffic was most
-of a decode step: for 32 rows of SmolLM2-135M (W8A8 + compile, 2026-12-02) the fused gather-and-copy kernel took
-430 us a layer and the attention's `bmm`s and softmax another 225 us, about 20 of a 31 ms step.
+of a decode step (docs/design-notes.md, "kernels/paged_attention.py").
 
 `paged_decode_attention` computes softmax(q K^T / sqrt(D)) V for one query per row: each task walks one row's keys
-through its slot table, 32 at a time, converting them to fp32 once into a tile that stays in the L1 cache; every
-query head sharing the KV head (GQA) scores four keys at a time against it, the softmax is taken in fp32, and the
-values are summed the same way, with no padding and no copy of the cache, 16 floats at a time on AVX-512 and 8 on
-AVX2 (a portable loop elsewhere, or where the head size is not a multiple of that). With at least 4 rows a thread a
-task takes all of a row's KV heads, which lie side by side in the cache; with fewer, one (row, KV head), so that a
-few long rows still keep every thread busy. For 32 rows of SmolLM2 (~120 keys each, bf16) a layer took 360 us on
-a 2-core Zen 3 when each (row, KV head) gathered and converted its keys for each query head, and 194 us in this
-form (2026-12-03, the engine's 32-request workload under torch.profiler). It is a small C++ kernel,
-compiled with the machine's C++ compiler on first use (3.4 s on a 2-core Xeon; `native.load`), parallel over rows
-and KV heads with torch's own OpenMP runtime. It registers a torch op through torch's stable C ABI, so a compiled
-decode step calls it like any kernel; a call at batch 1 costs 15-17 us, against 26 us through the Python
-implementation over ctypes it had before (2-core Xeon, 2026-12-02). Without a working compiler `kernel()` is None
+through its slot table, 32 at a time, converting them to fp32 once into a tile that stays in the L1 cache; every query
+head sharing the KV head (GQA) scores four keys at a time against it, the softmax is taken in fp32, and the values are
+summed the same way, with no padding and no copy of the cache, 16 floats at a time on AVX-512 and 8 on AVX2 (a portable
+loop elsewhere, or where the head size is not a multiple of that). With at least 4 rows a thread a task takes all of a
+row's KV heads, which lie side by side in the cache; with fewer, one (row, KV head), so that a few long rows still keep
+every thread busy. Converting a row's keys once for all the query heads that share them is much faster than once per
+query head. It is a small C++ kernel, compiled with the machine's C++ compiler on first use (a few seconds;
+`native.load`), parallel over rows and KV heads with torch's own OpenMP runtime. It registers a torch op through torch's
+stable C ABI, so a compiled decode step calls it like any kernel, for less a call than the Python implementation over
+ctypes it had before (docs/design-notes.md, "kernels/paged_attention.py"). Without a working compiler `kernel()` is None
 and the engine keeps the gather path.
 
 `paged_decode_attention_int8` is the same kernel for a cache of int8 keys and values with one float32 scale per

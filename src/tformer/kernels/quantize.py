@@ -4,9 +4,8 @@ close to the float ones), and W8A8 (INT8 weights and INT8 activations).
 INT8: w ≈ q * s with q in [-127, 127] and one scale s per output row (s = max|w_row| / 127). On the CPU the matmul
 is tformer's W8A8 kernel with each token's activations rounded in two int8 steps (`W8A8Linear(fine=True)`): to
 1/(127 * 254) of the token's largest, 3e-5 of the largest output where bf16 activations give 4e-3. Torch's
-weight-only kernel (`_weight_int8pack_mm`) was 2-3x slower with bf16 activations, and 20-80x slower with fp32
-(SmolLM2-135M's shapes, 2-core Xeon, 2026-12-02: 1,536 x 576 at 40 rows took 33.9 ms, against 0.80 in bf16 and
-0.40 here). Elsewhere the same formula runs in torch (`w8a8.w8a8_formula`).
+weight-only kernel (`_weight_int8pack_mm`) was slower with bf16 activations, and far slower with fp32
+(docs/design-notes.md, "kernels/quantize.py"). Elsewhere the same formula runs in torch (`w8a8.w8a8_formula`).
 INT4: each group of `group_size` input weights of a row keeps a scale and a minimum, w ≈ q * s + m with q in
 [0, 15] (llama.cpp's Q4_1), multiplied on the CPU's integer dot-product units (`int4.Int4Linear`).
 W8A8 quantizes each token's activations to int8 in one step as it enters a layer (`w8a8.W8A8Linear`): half the
@@ -46,10 +45,9 @@ def quantize(model: nn.Module, mode: str = "int8", group_size: int = 32) -> nn.M
 
     Embedding tables stay in floating point. A layer whose shape INT4's kernel cannot take stays as it is.
     With INT4 the output head (`lm_head`) gets INT8 weights (`Int8Linear`), as llama.cpp's 4-bit files keep their
-    output matrix at 8 bits or more: half the time of torch's weight-only INT8 kernel with bf16 activations (1.5
-    against 3.1 ms a token on a 2-core Xeon, 2026-12-02) at the same perplexity. SmolLM2-135M's John 1 perplexity
-    (12.54 in fp32; these with bf16 activations): 12.51 as done here (12.51 with torch's kernel, 12.60 with
-    one-step W8A8), 13.28 with an INT4 head, 16.62 with groups of 64 (the GGUF's Q4_1 blocks hold 32 weights).
+    output matrix at 8 bits or more: faster than torch's weight-only INT8 kernel at the same perplexity, which an
+    INT4 head or groups of 64 raise; the GGUF's Q4_1 blocks hold 32 weights (docs/design-notes.md,
+    "kernels/quantize.py").
     """
     _check_mode(mode)
     for module in list(model.modules()):
@@ -93,8 +91,8 @@ def set_precision(
     False; the linear layers quantized (optionally), then every float tensor cast. The model then serves only:
     fused, it no longer trains, loads or saves a checkpoint.
 
-    Decoding reads every weight once a token, so bf16 halves the bytes (on a CPU with AVX512-BF16 that made
-    SmolLM2's batch-1 decoding about 1.4x faster); INT8 / INT4 quarter / eighth the linear layers' bytes.
+    Decoding reads every weight once a token, so bf16 halves the bytes and decodes faster on a CPU with
+    AVX512-BF16 (docs/design-notes.md, "kernels/quantize.py"); INT8 / INT4 quarter / eighth the linear layers' bytes.
     Quantization reads the weights before the cast, so a bf16 INT4 model rounds its fp32 weights only once.
     """
     check_precision(dtype, quantize_mode)

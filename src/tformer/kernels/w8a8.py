@@ -11,9 +11,9 @@ Layout: (ceil(N / 16), ceil(K / 4), 64) uint8: each 64 bytes hold 4 consecutive 
 past the layer's edge), so one load feeds a 16-lane dot product. The scales stay float32 whatever dtype the model
 is cast to: they are held as int32 bits.
 
-Against fbgemm's dynamic int8 matmul with the same per-token rounding (tformer's W8A8 until 2026-12-02; SmolLM2's
-shapes, 2 cores, `benchmarks/w8a8_vs_int_mm.py`): 1.8-2.1x faster at 1 row, where fbgemm spends about 10 us a call
-before any arithmetic, 1.4-1.6x at 32 rows and 1.0-2.1x at 450. Without AVX512-VNNI, on AVX2 (AMD's Zen 3), the
+It is faster than fbgemm's dynamic int8 matmul with the same per-token rounding (tformer's W8A8 before it), most
+of all at 1 row, where fbgemm spends a fixed cost a call before any arithmetic (`benchmarks/w8a8_vs_int_mm.py`;
+docs/design-notes.md, "kernels/w8a8.py"). Without AVX512-VNNI, on AVX2 (AMD's Zen 3), the
 same format runs on `vpmaddubsw` (32 products an instruction, on the weights' magnitudes and the activations with
 the weights' signs), else on a portable loop, all with exactly the same results; without a C++ compiler, or off the
 CPU, the layer computes the formula in torch.
