@@ -5,11 +5,10 @@ on a thread-safe queue; the thread applies them between steps and hands each req
 request's own asyncio queue with `loop.call_soon_threadsafe`. With nothing to run, the thread blocks on the
 command queue, so an idle server uses no CPU.
 
-A server builds its engine with `AsyncEngine.launch`, on the thread that will run it, so that torch computes on
-one thread only. Each thread that runs torch ops gets its own OpenMP team; once two teams exist, libgomp counts
-more threads than cores and stops spin-waiting between parallel regions, so every small op of a decode step
-waits on a futex wake-up. Measured on 2 cores (SmolLM2-135M, W8A8, batch 1, 64 tokens): 46-51 tok/s with the
-load and the steps on one thread, 21-24 tok/s with the load on the main thread and the steps on another.
+A server builds its engine with `AsyncEngine.launch`, on the thread that will run it, so that torch computes on one
+thread only. Each thread that runs torch ops gets its own OpenMP team; once two teams exist, libgomp counts more threads
+than cores and stops spin-waiting between parallel regions, so every small op of a decode step waits on a futex wake-up,
+which made batch-1 decoding far slower on 2 cores (docs/design-notes.md, "engine/async_engine.py").
 """
 
 from __future__ import annotations

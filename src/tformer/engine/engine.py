@@ -203,7 +203,7 @@ class Engine:
         row where the model allows it), then the speculative sequences' drafts and their verification."""
         output = ModelOutput()
         scheduled = [item for item in plan.scheduled if item[0] not in plan.drafts]
-        # asked only of a step with prompt chunks: `packs` walks every layer (~50 us for SmolLM2's 30)
+        # asked only of a step with prompt chunks: `packs` walks every layer, a cost decode steps need not pay
         pack = self.config.pack_prompts and any(n > 1 for _, n in scheduled) and self.runner.packs()
         for group in group_by_width(scheduled, pack=pack):
             output.scored.append(self._forward(group, pack))

@@ -1,12 +1,11 @@
 """Packed prompt steps: every prompt chunk of an engine step in one row of tokens, each attending to its own keys.
 
 A step otherwise pads its prompt chunks into (B, T) batches, and each batch is one forward with a cost of its own
-whatever its width: every layer's weights read once and some 40 eager ops a layer. SmolLM2-135M (W8A8 in bf16,
-2 cores) took 15.7 ms for a forward of 8 tokens, and the 32-request workload of engine_vs_hf.py ran its 2,670
-prompt tokens in 20 forwards, grouped by width (`group_by_width`) and padded to 2,815. Packing puts a step's chunks
-side by side in one (1, N) row with no padding: embeddings, projections, norms and the MLP treat every token alike,
-so they run once over N tokens, and only attention must tell the sequences apart. The cache can, since it knows
-each sequence's blocks: `PackedLayerKV.attend_in_place` writes the row's keys and values, then runs causal
+whatever its width: every layer's weights read once and some 40 eager ops a layer, so a narrow forward costs much of a
+wide one, and grouping by width (`group_by_width`) still pads (docs/design-notes.md, "engine/packing.py"). Packing puts
+a step's chunks side by side in one (1, N) row with no padding: embeddings, projections, norms and the MLP treat every
+token alike, so they run once over N tokens, and only attention must tell the sequences apart. The cache can, since it
+knows each sequence's blocks: `PackedLayerKV.attend_in_place` writes the row's keys and values, then runs causal
 attention per sequence (a `Segment`), over its own new keys, or over the keys it has cached before them as well.
 
 Packing holds for decoders whose every self-attention layer attends plainly (`Attention.attends_plainly`): no

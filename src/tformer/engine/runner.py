@@ -13,7 +13,8 @@ values of every decoder layer with the request, so later steps never touch the e
 With `compile`, decode steps (one new token per row) run the decoder through `torch.compile(dynamic=True)`,
 which fuses the small per-layer operations that dominate a decode step once the matmuls are cheap; prefill
 chunks, whose widths vary and whose time goes to matmuls, stay eager. The first decode step compiles
-(20-60 s for SmolLM2 on 2 cores), and batch size 1 and larger batches compile once each.
+(tens of seconds for SmolLM2 on 2 cores; docs/design-notes.md, "engine/runner.py"), and batch size 1 and larger
+batches compile once each.
 """
 
 from __future__ import annotations
@@ -88,25 +89,11 @@ class StepBatch:
         return StackInputs.from_engine(self.positions, n_keys, key_starts, self.last_slots)
 
 
-# The decode step's time at batch 1 is dispatch, not arithmetic. Inductor's default checks the size and stride of
-# every input (~1,000 with the parameters) on every call; Dynamo's guards check every module's attributes and every
-# parameter's shape. Without the asserts, SmolLM2 INT4 at batch 1 on 2 cores, 128 tokens, alternating engines in
-# one process (2026-12-02, medians of 5): 80.9 -> 93.8 tok/s with another job running, 106 -> 120 quiet. Without
-# the module guards as well (one process per variant, alternating): 96.0 -> 109.8 and 101.6 -> 115.8 tok/s.
-# The guards left check the step's inputs (tokens, positions, cache tensors), so batch 1 and larger batches still
-# get graphs of their own. Dropping the module guards is safe because an engine's model is frozen: nothing changes
-# its modules once it serves (weights updated in place are still read at each call), and each model's step has a
-# code object, hence a graph cache, of its own (`compiled_decode_step`), so no two models ever share a graph.
-# The graph then runs from inductor's C++ launcher (`cpp_wrapper`) rather than its Python one: on a 2-core Xeon
-# whose thread hand-offs are slow, batch-1 INT4 decoding went from 72.8 / 74.8 to 89.2 / 91.4 tok/s (2026-12-02,
-# engine_vs_llamacpp.py, alternating processes), and a graph no longer takes the GIL back after each op's call.
-# A cold compile of test_engine's two tiny models took 63 s with it and 56 without; a cold `tformer serve
-# --quantize int4 --compile` of SmolLM2 took 267 s to be ready (199 s without it, in an earlier run).
-# The graph's own kernels run on one thread (`cpp.threads`): a decode step's norms, rotary and activations are
-# small, and each of the ~120 kernels a step opened an OpenMP region of its own, a fork and join per kernel. The
-# matmuls and attention are custom ops, which keep torch's threads. The 32-request workload of engine_vs_hf.py
-# (SmolLM2 W8A8, 2-core Zen 3, 2026-12-03, one process per variant, alternating, 3 each, medians of 3 runs):
-# 144.0 / 138.3 / 140.4 tok/s with the regions, 152.3 / 143.0 / 160.3 without.
+# The decode step's time at batch 1 is dispatch, not arithmetic, so these options cut per-call work: no size asserts;
+# no guards on the modules (safe: a served model is frozen, and each model's step has its own graph cache,
+# `compiled_decode_step`); inductor's C++ launcher; and the graph's small kernels on one thread, since each opened an
+# OpenMP region (matmuls and attention are custom ops, which keep torch's threads) (docs/design-notes.md,
+# "engine/runner.py").
 DECODE_COMPILE_OPTIONS = {
     "size_asserts": False,
     "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
@@ -114,10 +101,9 @@ DECODE_COMPILE_OPTIONS = {
     "cpp.threads": 1,
 }
 
-# Under `dynamic=True` Dynamo also makes every Python float it meets a graph input: SmolLM2's step took its 61 norm
-# epsilons and two scales as 0-dim tensors, built by the pre-graph code on every call (314 graph inputs; 251 without
-# them). A served model's floats never change, so the step specializes on them; the patch costs ~8 us a call and
-# matters only when Dynamo traces. Batch-1 INT4 on a Zen 3, alternating processes: see docs/engine.md.
+# Under `dynamic=True` Dynamo also makes every Python float it meets (norm epsilons, scales) a graph input, a 0-dim
+# tensor built on every call. A served model's floats never change, so the step specializes on them
+# (docs/design-notes.md, "engine/runner.py").
 _FLOATS_AS_CONSTANTS = torch._dynamo.config.patch(specialize_float=True)
 
 
@@ -154,8 +140,8 @@ class CompiledDecode:
         if self.compiled is None or tokens.shape[1] != 1 or inputs.n_keys == 1:
             return self.stack(tokens, inputs, **kwargs)
         # The rotary (cos, sin) are computed here, once a step: inside the graph inductor recomputed them in each
-        # layer's kernel (its reuse heuristic realizes shared buffers only for ops such as exp and tanh), ~0.35 ms
-        # of `sin` and `cos` a 32-row SmolLM2 step; eager they take 16-32 us (docs/engine.md).
+        # layer's kernel (its reuse heuristic realizes shared buffers only for ops such as exp and tanh), far more
+        # than once eagerly (docs/design-notes.md, "engine/runner.py").
         inputs = replace(inputs, rotary=self.stack.positions.rotary(inputs.positions))
         try:
             with _FLOATS_AS_CONSTANTS:
@@ -342,10 +328,8 @@ def group_by_width(
 
     A batch is padded to its widest row, so one 500-token chunk among 32 decodes would cost 32 x 500 tokens;
     chunks of similar widths, though, share one forward and its larger matmuls, and each forward has a cost of its
-    own (an eager prefill launches some 40 ops a layer whatever its width). In the 32-request workload of
-    engine_vs_hf.py (SmolLM2 W8A8 in bf16, 2-core Zen 3, 2026-12-03, 5 alternating rounds, medians), the prefill
-    forwards took 6.04-6.52 s at max_padding 0.25 (3,124 tokens in 16 forwards), 5.65-6.11 s at 0.1 (2,815 in
-    20), and 5.99 s with no padding at all (2,670 in 35).
+    own (an eager prefill launches some 40 ops a layer whatever its width). The default 0.1 prefilled
+    engine_vs_hf.py's workload faster than 0.25 or no padding at all (docs/design-notes.md, "engine/runner.py").
     """
     decodes = [item for item in scheduled if item[1] == 1]
     if pack:

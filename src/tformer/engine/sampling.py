@@ -159,9 +159,9 @@ def kept_tokens(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor 
 
     top_k keeps the tokens at least as large as the k-th largest logit (ties with it too); top_p then the smallest
     set, likeliest first, whose probability reaches top_p. The most likely token always survives. The nucleus is
-    found among the likeliest 256 tokens (`torch.topk`, 0.1 ms for 49,152 logits) whenever they hold top_p of the
-    mass, as they do for a language model's typical distribution, else among 8x as many, else all of them; sorting
-    all 49,152 (the definition, tested against) takes 3.5 ms a token (AMD EPYC Zen 4, 2026-12-04).
+    found among the likeliest 256 tokens (`torch.topk`) whenever they hold top_p of the mass, as they do for a
+    language model's typical distribution, else among 8x as many, else all of them: sorting the whole vocabulary
+    (the definition, tested against) costs far more a token (docs/design-notes.md, "engine/sampling.py").
     """
     vocab = logits.shape[-1]
     kept = None
@@ -205,10 +205,9 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
-# torch's CPU argmax walks a row one element at a time: 96 us for SmolLM2's 49,152 logits at one row and 2.3 ms at
-# 32 rows, 3% of the 32-request run under the torch profiler (2 threads, an Intel Xeon without AMX, 2026-12-03). The
-# largest logit of each 128-logit chunk (amax, vectorized), the first chunk holding the row's largest, then the first
-# index inside that chunk: the same index in 46 us and 0.38 ms.
+# torch's CPU argmax walks a row one element at a time, slow for a whole vocabulary. The largest logit of each
+# 128-logit chunk (amax, vectorized), the first chunk holding the row's largest, then the first index inside that
+# chunk find the same index much faster (docs/design-notes.md, "engine/sampling.py").
 ARGMAX_CHUNK = 128
 
 
@@ -236,9 +235,8 @@ def sample_index(probs: torch.Tensor, generator: torch.Generator | None = None) 
     """One index drawn from a distribution (V,) by inverse transform sampling: the first index whose cumulative
     probability (float64) exceeds a uniform draw scaled to the total, so an index of probability 0 is never drawn.
 
-    One random number a draw: 75 us for SmolLM2's 49,152 probabilities, where `torch.multinomial` draws an
-    exponential for every index (1.0 ms; AMD EPYC Zen 4, 2 threads, 2026-12-04). ValueError for NaN, infinite or
-    all-zero probabilities."""
+    One random number a draw, where `torch.multinomial` draws an exponential for every index, many times slower
+    (docs/design-notes.md, "engine/sampling.py"). ValueError for NaN, infinite or all-zero probabilities."""
     cdf = probs.double().cumsum(-1)
     total = float(cdf[-1])
     if not (math.isfinite(total) and total > 0):

@@ -2,12 +2,12 @@
 fixed list of strings, or a grammar (Lark, or llama.cpp's GBNF), as vLLM's `structured_outputs` and llama.cpp's
 `--grammar` / `--json-schema` do.
 
-llguidance (the library behind vLLM's "guidance" backend) compiles the constraint. Before each token of such a
-request, its `Constraint` asks llguidance which tokens keep the text a prefix of some string the constraint
-accepts (a bitmask over the vocabulary, computed from the tokenizer's token trie, typically 10-100 us; nothing is
-built per schema up front), and every other token's logit becomes -inf; then the request samples as it would
-(penalties, temperature, top-k/top-p, min_p). End-of-sequence is allowed only once the text is complete, and the
-sample ends ("stop") as soon as the constraint admits nothing more.
+llguidance (the library behind vLLM's "guidance" backend) compiles the constraint. Before each token of such a request,
+its `Constraint` asks llguidance which tokens keep the text a prefix of some string the constraint accepts (a bitmask
+over the vocabulary, computed from the tokenizer's token trie, small beside a decode step; nothing is built per schema
+up front; docs/design-notes.md, "engine/structured.py"), and every other token's logit becomes -inf; then the request
+samples as it would (penalties, temperature, top-k/top-p, min_p). End-of-sequence is allowed only once the text is
+complete, and the sample ends ("stop") as soon as the constraint admits nothing more.
 
 llguidance is imported on first use, so that processes which never constrain output do not pay for it.
 """
@@ -98,9 +98,9 @@ def grammar_text(spec: StructuredOutput) -> str:
 
 
 class GrammarCompiler:
-    """One tokenizer's constraints: llguidance's view of the vocabulary, built on first use (about 0.25 s for
-    SmolLM2's 49,152 tokens), and the constraints compiled so far (once each, by their `key`). Like the engine
-    that holds it, it is used from one thread."""
+    """One tokenizer's constraints: llguidance's view of the vocabulary, built on first use (a fraction of a second;
+    docs/design-notes.md, "engine/structured.py"), and the constraints compiled so far (once each, by their `key`). Like
+    the engine that holds it, it is used from one thread."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]) -> None:
         self.tokenizer = tokenizer
@@ -122,8 +122,8 @@ class GrammarCompiler:
         return self._llg_tokenizer
 
     def _prototype(self, spec: StructuredOutput) -> Any:
-        """The constraint's matcher in its first state, compiled once (2-3 ms for a 20-field schema) and copied
-        for each sample (microseconds)."""
+        """The constraint's matcher in its first state, compiled once and copied for each sample, which costs far
+        less than compiling (docs/design-notes.md, "engine/structured.py")."""
         key = spec.key()
         if key not in self._prototypes:
             matcher = _llguidance().LLMatcher(self._vocabulary(), grammar_text(spec), log_level=0)
