@@ -1,7 +1,7 @@
 """A fast reader of GGUF files: metadata, tensor table and memory-mapped tensor bytes, dequantized in torch.
 
-The `gguf` package's reader turns every metadata string into a numpy view: SmolLM2's 49,152 tokens and
-48,900 merges took 3.5 s to open. This reader parses the header with `struct` (about 0.1 s for the same file)
+The `gguf` package's reader turns every metadata string into a numpy view, slow to open a file with a large
+vocabulary. This reader parses the header with `struct`, far faster (docs/design-notes.md, "interop/gguf_file.py"),
 and dequantizes the common block formats with vectorized torch ops, bit for bit as `gguf.quants` does (the
 tests compare the two). Other block formats go through `gguf.quants`.
 

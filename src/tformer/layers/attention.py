@@ -37,15 +37,12 @@ def sdpa_attention(
     """torch's fused kernel (flash / memory-efficient / math, chosen by torch); GQA without copying K and V.
 
     One exception: a batch of single queries in bf16/fp16 on the CPU (a batched decode step) goes to
-    `single_query_attention`, because torch's CPU kernel is slow there: for 32 rows of SmolLM2's attention
-    (9 query heads on 3 KV heads, 200 keys) it took 3.4 ms in bf16 against 0.29 ms for two grouped matmuls
-    (4 rows: 0.40 against 0.11 ms). For one row the kernel is as fast, and SmolLM2 decoded faster with it.
+    `single_query_attention`, because torch's CPU kernel is slow there, many times two grouped matmuls' time. For
+    one row the kernel is as fast, and SmolLM2 decoded faster with it (docs/design-notes.md, "layers/attention.py").
 
     A second exception: bf16/fp16 training on the CPU over at most CPU_TRAINING_MATH_MAX_KEYS keys goes to the
-    math path, since torch's CPU flash backward is slow for short sequences (forward + backward, 4 heads of 64,
-    4,096 tokens, a padding mask, 2026-12-01): 29.9 against 4.6 ms at 16 keys, 17.0 / 4.8 at 32, 18.3 / 6.0 at
-    64, 22.2 / 14.2 at 128, 22.8 / 21.0 at 256, and 38.7 / 42.0 at 512, where the kernel wins. In fp32 the
-    kernel is as fast or faster at every length, so fp32 keeps it.
+    math path, since torch's CPU flash backward is slow for short sequences; past that the kernel wins. In fp32
+    the kernel is as fast or faster at every length, so fp32 keeps it (docs/design-notes.md, "layers/attention.py").
     """
     if mask.bias is None and mask.needs_bias(q.shape[2], k.shape[2]):
         return long_attention(q, k, v, mask, dropout_p), None
@@ -105,11 +102,9 @@ def causal_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     a square, where the kernel's causal flag skips the masked blocks. The two parts merge by the log-sum-exps the
     kernel returns, as flash attention merges its blocks.
 
-    One 512-token chunk of SmolLM2 (9 query heads on 3 KV heads) over 3,792 keys in bf16, 2 threads on an Intel
-    Xeon with AVX512-VNNI (medians of 15, alternating): 27.6 ms against 33.0 for a bias block and one call
-    (2026-12-04); the prefix part alone took 19.6 ms stacked against 23.1 through SDPA's GQA. Short inputs keep
-    the dense bias `build_mask` makes once a forward: the kernel's causal flag is slow on small squares, and one
-    masked call took 419 us against 716 here for 104 queries after 16 keys, 996 against 2,036 for 3 rows of 77.
+    A long chunk over many keys runs faster this way than with a bias block and one call, and the stacked prefix faster
+    than through SDPA's GQA. Short inputs keep the dense bias `build_mask` makes once a forward: the kernel's causal
+    flag is slow on small squares, where one masked call is faster (docs/design-notes.md, "layers/attention.py").
     """
     B, H, T, D = q.shape
     n_kv, n_earlier = k.shape[1], k.shape[2] - T

@@ -1,11 +1,11 @@
 """Dropout with cheap masks on the CPU.
 
-torch's CPU dropout draws its mask with `bernoulli_`, one generator call per element: in the main recipe's
-bf16 training step its 17 masks took 18% of the time (9.3 ms for 2M elements, 2026-12-01). Here one call of
-the same global generator fills 64 random bits, cut into four 16-bit draws, and an element is dropped when
-its draw falls below round(p * 2^16): 1.6 ms for 2M elements. The drop probability is thus p rounded to a
-multiple of 2^-16 (0.1 becomes 0.100006), and the kept values are scaled by the exact inverse of the keep
-probability, so the expectation is unchanged. Off the CPU, torch's fused dropout is already cheap and used.
+torch's CPU dropout draws its mask with `bernoulli_`, one generator call per element, a large share of the main recipe's
+bf16 training step (docs/design-notes.md, "layers/dropout.py"). Here one call of the same global generator fills 64
+random bits, cut into four 16-bit draws, and an element is dropped when its draw falls below round(p * 2^16), several
+times faster. The drop probability is thus p rounded to a multiple of 2^-16 (0.1 becomes 0.100006), and the kept values
+are scaled by the exact inverse of the keep probability, so the expectation is unchanged. Off the CPU, torch's fused
+dropout is already cheap and used.
 """
 
 from __future__ import annotations

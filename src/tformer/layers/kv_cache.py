@@ -21,7 +21,7 @@ ZERO_PAGES_MIN_BYTES = 1 << 20
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A zero tensor for a cache. On the CPU a large one is fresh anonymous memory, which the OS maps as zeros and
     backs only when first written: an engine's KV pool (1 GiB by default) costs no time to build and no memory
-    until its blocks are used, where `torch.zeros` wrote every byte (0.4 s for SmolLM2's pool on 2 cores)."""
+    until its blocks are used, where `torch.zeros` wrote every byte (docs/design-notes.md, "layers/kv_cache.py")."""
     count = math.prod(shape)
     if torch.device(device).type != "cpu" or count * dtype.itemsize < ZERO_PAGES_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -25,7 +25,7 @@ from tformer.errors import ConfigError
 from tformer.layers.attention import Attention
 from tformer.layers.masks import AttentionMask
 
-CHUNK = 128  # queries per chunk of the causal form (64 and 256 measured slower on the CPU, 2026-12-01)
+CHUNK = 128  # queries per chunk of the causal form (docs/design-notes.md, "layers/linear_attention.py")
 EPS = 1e-12  # added to the normalizer: a query that sees no real key gets 0, not NaN
 DEFAULT_FEATURE_SEED = 0  # every layer starts from this draw, so a checkpoint needs no extra tensor
 

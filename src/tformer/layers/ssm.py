@@ -93,14 +93,13 @@ def sequential_scan(
     return torch.stack(ys, dim=1), h
 
 
-# Which scan a device runs. On the CPU the token-by-token loop keeps the (B, d, N) state in cache and was 12x faster
+# Which scan a device runs. On the CPU the token-by-token loop keeps the (B, d, N) state in cache and was far faster
 # than the chunked parallel scan, whose (B, chunk, d, N) passes are memory-bound (docs/ssm-vs-transformer.md); a GPU
 # gains from the parallel form's log2(chunk) wide steps instead of L narrow ones.
 SCANS = {"cpu": sequential_scan}
 # A prefill (the prompt into a decoding state, no backward) runs the parallel scan where it measured faster: on the
-# CPU while one chunk's (B, chunk, d_inner, N) fp32 states fit in 1 MiB and the prompt has at least 256 tokens. At
-# d_inner 512, N 16 (1 MiB at batch 1) it was 1.0-1.5x faster from 256 to 2,048 tokens, 0.44x at 64; at batch 2
-# (2 MiB) 0.77x, at batch 8 0.19x (no_grad `selective_scan`, 2026-12-02, docs/ssm-vs-transformer.md).
+# CPU while one chunk's (B, chunk, d_inner, N) fp32 states fit in 1 MiB and the prompt has at least 256 tokens
+# (docs/design-notes.md, "layers/ssm.py").
 PARALLEL_PREFILL = {"cpu": (1 << 20, 256)}  # device -> (largest chunk of states in bytes, fewest prompt tokens)
 
 

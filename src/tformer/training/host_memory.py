@@ -4,10 +4,9 @@ By default glibc serves every allocation above a threshold (128 KiB, raised as l
 32 MiB) with a fresh mmap, and unmaps it when freed; it also returns the top of its heap to the kernel once
 128 KiB of it is free. A training step allocates and frees the same large activations every step (the main
 recipe's 2,000 x 4,000 logits are 16 MB in bf16), so each step paid the kernel to zero fresh pages again. With
-the threshold at its maximum and trimming at 256 MiB, freed blocks stay in the heap and are reused: the main
-recipe's bf16 step went from 162 to 156 ms (12,000 to 12,390 target tok/s, two alternating pairs of processes,
-2026-12-02; docs/en-de-10min.md). Fixing only the trim threshold would freeze the mmap threshold at 128 KiB,
-which halved the speed: both are set together.
+the threshold at its maximum and trimming at 256 MiB, freed blocks stay in the heap and are reused, and the main
+recipe's bf16 step is faster. Fixing only the trim threshold would freeze the mmap threshold at 128 KiB, which is
+far slower: both are set together (docs/design-notes.md, "training/host_memory.py").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Optimizers and learning-rate schedules: the paper's Adam + inverse-sqrt warmup, and AdamW + warmup-cosine.
 
-Both use torch's fused implementation: on CPU the default per-parameter loop costs GPT-2 small about 0.39 s
-a step against 0.07 s fused (benchmarks/README.md). Tensor parallelism alone mixes sharded (DTensor) and
+Both use torch's fused implementation: on CPU the default per-parameter loop is several times slower a step
+(benchmarks/README.md; docs/design-notes.md, "training/optim.py"). Tensor parallelism alone mixes sharded (DTensor) and
 plain parameters, which one fused kernel cannot take: it passes fused=False for the per-parameter loop.
 """
 

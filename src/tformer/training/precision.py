@@ -7,7 +7,7 @@ the model, so no cast is left inside the step: activations, the residual stream 
 model stays the one the optimizer, checkpoints and evaluation see (the master weights of mixed-precision
 training, Micikevicius et al., 2018): after backward its gradients are the bf16 gradients in fp32, and after the
 optimizer step the bf16 copy takes the new weights, rounded. Measured on the main recipe's step in
-docs/en-de-10min.md ("Speed levers, 2026-12-02").
+docs/en-de-10min.md (its "Speed levers" section).
 """
 
 from __future__ import annotations
