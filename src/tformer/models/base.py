@@ -10,8 +10,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_model
+from safetensors.torch import save_model
 from torch import nn
 
 from tformer.config import ModelConfig
@@ -52,10 +51,8 @@ class TransformerModel(nn.Module):
         os.replace(tmp, path / WEIGHTS_FILE)
 
     def _check_savable(self) -> None:
-        from tformer.models import build_model
-
         with torch.device("meta"):
-            expected = set(build_model(self.config).state_dict())
+            expected = set(type(self)(self.config).state_dict())
         actual = set(self.state_dict())
         if actual != expected:
             raise CheckpointError(
@@ -64,30 +61,3 @@ class TransformerModel(nn.Module):
                 "quantized model (int8, int4, w8a8) cannot be saved: save the float model and quantize it when "
                 "serving (--quantize)"
             )
-
-
-def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> TransformerModel:
-    """Loads a checkpoint directory written by `model.save`, in eval mode (call `.train()` to train on).
-
-    Weights load in `dtype`. They stay memory-mapped from model.safetensors (no copy, no random initialization
-    first) when they load on the CPU in the dtype they were saved in.
-    """
-    from tformer.models import assign_weights, build_model
-
-    path = Path(path)
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (path / name).is_file():
-            raise CheckpointError(f"{path} is not a tformer checkpoint: {name} is missing")
-    config = ModelConfig.from_file(path / CONFIG_FILE)
-    model = build_model(config, initialize=False).to(dtype)  # free on the meta device
-    try:
-        state = load_file(str(path / WEIGHTS_FILE))
-    except (SafetensorError, OSError, RuntimeError) as err:
-        raise CheckpointError(f"{path / WEIGHTS_FILE}: cannot load weights: {err}") from None
-    missing, unexpected, mismatched = assign_weights(model, state)
-    if missing or unexpected or mismatched:
-        raise CheckpointError(
-            f"{path / WEIGHTS_FILE} does not match {CONFIG_FILE}: missing {sorted(missing)}, "
-            f"unexpected {unexpected}, wrong shapes {mismatched}"
-        )
-    return model.to(device).eval()
