@@ -204,6 +204,7 @@ class Engine:
         output = ModelOutput()
         scheduled = [item for item in plan.scheduled if item[0] not in plan.drafts]
         # asked only of a step with prompt chunks: `packs` walks every layer, a cost decode steps need not pay
+        # (docs/design-notes.md, "engine/engine.py")
         pack = self.config.pack_prompts and any(n > 1 for _, n in scheduled) and self.runner.packs()
         for group in group_by_width(scheduled, pack=pack):
             output.scored.append(self._forward(group, pack))
