@@ -19,6 +19,8 @@ batches compile once each.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import types
 import weakref
@@ -101,10 +103,14 @@ DECODE_COMPILE_OPTIONS = {
     "cpp.threads": 1,
 }
 
+
 # Under `dynamic=True` Dynamo also makes every Python float it meets (norm epsilons, scales) a graph input, a 0-dim
 # tensor built on every call. A served model's floats never change, so the step specializes on them
 # (docs/design-notes.md, "engine/runner.py").
-_FLOATS_AS_CONSTANTS = torch._dynamo.config.patch(specialize_float=True)
+# Made on first use: `torch._dynamo` takes over a second to import, which only a compiling engine should pay.
+@functools.cache
+def _floats_as_constants() -> contextlib.AbstractContextManager:
+    return torch._dynamo.config.patch(specialize_float=True)
 
 
 def _decode_step(stack: nn.Module, tokens: torch.Tensor, inputs: StackInputs, **kwargs: object) -> torch.Tensor:
@@ -144,7 +150,7 @@ class CompiledDecode:
         # than once eagerly (docs/design-notes.md, "engine/runner.py").
         inputs = replace(inputs, rotary=self.stack.positions.rotary(inputs.positions))
         try:
-            with _FLOATS_AS_CONSTANTS:
+            with _floats_as_constants():
                 return self.compiled(self.stack, tokens, inputs, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as err:
             raise RuntimeError(
@@ -205,7 +211,7 @@ class DecoderRunner:
         packed cache computes per sequence), with no sliding window or position bias. Other attentions (Longformer's,
         Performer's, a layer keeping its weights) decline; embeddings, norms and FFNs treat each token alone."""
         stack = self.model.decoder
-        if stack.window is not None or stack.positions.has_attention_bias:
+        if any(stack.windows) or stack.positions.has_attention_bias:
             return False
         return all(isinstance(attn := layer.self_attn, Attention) and attn.attends_plainly() for layer in stack.layers)
 
@@ -216,8 +222,8 @@ class DecoderRunner:
         caches = [LayerCache(view) for view in views]
         hidden = self.decoder(batch.tokens, batch.stack_inputs(caches), cache=caches)
         if every_position:
-            return self.model.lm_head(hidden).float()
-        return self.model.lm_head(batch.last_hidden(hidden)).float()  # (B, V)
+            return self.model.output_logits(hidden).float()
+        return self.model.output_logits(batch.last_hidden(hidden)).float()  # (B, V)
 
 
 @dataclass

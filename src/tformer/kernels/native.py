@@ -99,9 +99,12 @@ def op_library(
             return None
         return load(name, what, torch_ops=True)
 
-    @torch.compiler.assume_constant_result
     def available() -> bool:
         return kernel() is not None
+
+    # torch.compiler.assume_constant_result's mark, set by hand: calling it imports torch._dynamo (over a second)
+    # in every process that loads a kernel, compiling or not (tests/test_startup.py checks the mark is torch's)
+    available._dynamo_marked_constant = True
 
     def instructions() -> str | None:
         if not available():
