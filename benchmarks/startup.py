@@ -67,7 +67,7 @@ LOAD_SCRIPT = """
 import json, resource, sys, time
 import torch
 import tformer
-from tformer.interop import load_pretrained
+from tformer.checkpoints import load_pretrained
 def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
 before = rss()
 start = time.perf_counter()

@@ -24,8 +24,7 @@ from tformer.cli import main
 from tformer.config import ConfigError
 from tformer.models import WEIGHTS_FILE
 from tformer.training import Trainer, load_recipe
-from tformer.training.lora import ADAPTERS_FILE, CONFIG_FILE, lora_layers, merge_lora
-from tformer.training.lora_run import with_lora
+from tformer.training.lora import ADAPTERS_FILE, CONFIG_FILE, lora_layers, merge_lora, with_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -150,7 +149,7 @@ def test_bad_lora_sections_are_config_errors(
 def test_lora_under_torchrun_is_refused(pretrained: Path, tmp_path: Path) -> None:
     _, train = load_recipe(lora_recipe(tmp_path, pretrained))
     with pytest.raises(ConfigError, match="one process only.*without torchrun"):
-        with_lora(tformer.load(pretrained), train, distributed=True)
+        with_lora(tformer.load(pretrained), train.lora_config, distributed=True)
 
 
 def test_an_empty_lora_section_means_the_defaults(pretrained: Path, tmp_path: Path) -> None:

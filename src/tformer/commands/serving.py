@@ -237,7 +237,8 @@ def convert(source: str, *, out: str, to: str = "tformer", merge_lora: str | Non
     merge_lora: a LoRA adapters directory (adapters.safetensors, lora.json) trained on SOURCE, merged into the
         weights before writing (default: none)
     """
-    from tformer.interop import load_pretrained, to_hf
+    from tformer.checkpoints import load_pretrained
+    from tformer.interop import to_hf
 
     if to not in ("tformer", "hf"):
         raise ConfigError(f"unknown target format '{to}'; choose 'tformer' or 'hf'")

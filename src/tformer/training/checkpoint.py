@@ -11,7 +11,7 @@ A run directory looks like::
       checkpoints/step-00000500/     config.yaml, model.safetensors, tokenizer.json, tokenizer_config.json,
                                      trainer_state.pt, sharded/
       (a LoRA run's)                 adapters.safetensors, lora.json, tokenizer files, trainer_state.pt
-                                     (with the adapters' optimizer state); see training/lora_run.py
+                                     (with the adapters' optimizer state); see training/lora.py
 
 model.safetensors holds the whole (consolidated) weights for inference, however many ranks trained them.
 sharded/ holds the model and optimizer state as written by torch.distributed.checkpoint, one shard per
@@ -38,7 +38,7 @@ from tformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from tformer.data.tokenizer import Tokenizer
 from tformer.files import write_text_atomically
 from tformer.models import CheckpointError, TransformerModel, load
-from tformer.training.lora_run import save_weights
+from tformer.training.lora import save_weights
 
 STATE_FILE = "trainer_state.pt"
 

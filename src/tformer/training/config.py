@@ -59,7 +59,7 @@ class TrainConfig(ConfigBase):
     # fine-tuning: a tformer checkpoint directory, a Hugging Face model directory or a GGUF file to start from;
     # the model config and the tokenizer then come with the weights (training/init_from.py)
     init_from: str | None = None
-    # LoRA: the recipe's `lora:` section (rank, alpha, dropout, target_modules; training/lora_run.py), or None
+    # LoRA: the recipe's `lora:` section (rank, alpha, dropout, target_modules; training/lora.py), or None
     lora: dict | None = None
 
     # evaluation, logging and checkpoints

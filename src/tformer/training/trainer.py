@@ -62,7 +62,7 @@ from tformer.training.distributed import (
 from tformer.training.evaluate import dev_scores, evaluate_translation, forward_logits
 from tformer.training.host_memory import keep_freed_memory
 from tformer.training.init_from import load_init_from, vocab_of
-from tformer.training.lora_run import load_weights, with_lora
+from tformer.training.lora import load_weights, with_lora
 from tformer.training.losses import fused_label_smoothed_cross_entropy, label_smoothed_cross_entropy
 from tformer.training.optim import adamw_cosine, paper_adam
 from tformer.training.precision import TrainingPrecision
@@ -102,7 +102,7 @@ class Trainer:
             self._write_recipe()
         torch.manual_seed(train_config.seed)
         model = (pretrained.model if pretrained else build_model(self.model_config)).to(self.device)
-        self.model = with_lora(model, train_config, self.dist.enabled)  # a lora: section trains adapters only
+        self.model = with_lora(model, train_config.lora_config, self.dist.enabled)  # a lora: section: adapters only
         self.module = parallelize(self.model, self.dist, train_config)  # what forward runs on (DDP wraps)
         self._consolidated_model: nn.Module | None = None  # rank 0's unsharded copy, for evaluation and export
         self.optimizer, self.scheduler = self._optimizer()
