@@ -126,7 +126,7 @@ def test_missing_shard_is_named(checkpoint, tmp_path: Path) -> None:
 UNREPRESENTABLE = [
     ("bert-mlm", {"position_embedding_type": "relative_key"}, "position_embedding_type='relative_key' has no tformer"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True has no tformer"),
-    ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3' has no tformer"),
+    ("llama", {"rope_parameters": {"rope_type": "longrope", "factor": 8.0}}, "rope_type 'longrope' has no tformer"),
     ("llama", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh' has no tformer equivalent"),
     ("bart", {"decoder_attention_heads": 2}, "decoder_attention_heads (2) differs from encoder_attention_heads (4)"),
     (

@@ -15,12 +15,15 @@ from tformer.errors import ConfigError
 FAMILIES = ("encoder-decoder", "decoder", "encoder", "ssm", "lstm-encoder-decoder")
 POSITION_NAMES = ("sinusoidal", "learned", "rope", "alibi", "t5", "none")
 SINUSOIDAL_LAYOUT_NAMES = ("interleaved", "split")
-ROPE_SCALINGS = ("none", "linear", "dynamic-ntk", "yarn")
+ROPE_SCALINGS = ("none", "linear", "dynamic-ntk", "yarn", "llama3")
 FFN_NAMES = ("relu", "gelu", "gelu-tanh", "silu", "swiglu", "geglu", "geglu-tanh")
-NORM_NAMES = ("layernorm", "rmsnorm")
+NORM_NAMES = ("layernorm", "rmsnorm", "rmsnorm-plus-one")
 NORM_PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 ATTENTION_BACKEND_NAMES = ("sdpa", "math")
 ATTENTION_NAMES = ("softmax", "longformer", "performer")
+# what each decoder layer's self-attention sees (config.layer_types); a table, not a registry: the stack reads it
+# through ModelConfig.layer_windows
+LAYER_TYPES = {"sliding": "the last sliding_window keys", "full": "every earlier key"}
 INIT_NAMES = ("xavier", "gpt2", "normal")
 ENCODER_HEAD_NAMES = ("mlm", "none", "sequence-classification", "token-classification")
 # the encoder heads that take num_labels (a frozenset, not a tuple: test_registries pairs every name tuple)
@@ -63,6 +66,11 @@ class ModelConfig(ConfigBase):
     rope_original_max_len: int | None = None  # context the model was trained on; None: max_seq_len
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    # rope_scaling 'llama3': wavelengths above original / low_freq_factor are divided by rope_factor, those below
+    # original / high_freq_factor kept, those between blended (Llama 3.1)
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_local_theta: float | None = None  # the RoPE base of "sliding" layers (Gemma 3); None: rope_theta
     relative_attention_buckets: int = 32  # position 't5': buckets of relative distance, each a learned bias per head
     relative_attention_max_distance: int = 128  # position 't5': distances from here on share the last bucket
 
@@ -70,6 +78,8 @@ class ModelConfig(ConfigBase):
     ffn: str = "relu"
     ffn_bias: bool = True
     attn_bias: bool = True
+    attn_out_bias: bool | None = None  # the output projection's bias; None: attn_bias (Qwen2: q/k/v biases only)
+    qk_norm: bool = False  # a norm (of kind `norm`) on each head's queries and keys before RoPE (Qwen3, Gemma 3)
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     norm_bias: bool = True
@@ -78,9 +88,11 @@ class ModelConfig(ConfigBase):
 
     # embeddings and output head
     scale_embeddings: bool = True  # multiply token embeddings by sqrt(d_model)
+    round_embed_scale: bool = False  # Gemma: sqrt(d_model) rounded to the weights' dtype first (bf16: 48.0 for 2304)
     tie_embeddings: bool = True  # output projection shares the (target) token embedding
     share_embeddings: bool = True  # encoder-decoder: source and target share one embedding
     lm_head_bias: bool = False
+    final_logit_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap); None: none
     scale_decoder_output: bool = False  # T5 (tied head): decoder output * d_model**-0.5 before the output projection
     encoder_head: str = "mlm"  # family 'encoder': "mlm" outputs vocabulary logits, "none" the hidden states
     num_labels: int | None = None  # classification heads: the number of classes (models/heads.py)
@@ -89,6 +101,9 @@ class ModelConfig(ConfigBase):
 
     # attention
     sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per decoder layer, "sliding" or "full"; None: all "sliding" under a window
+    attn_logit_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap) before the mask
+    attention_scale_dim: int | None = None  # scores are q.k / sqrt(attention_scale_dim); None: head_dim (Gemma)
     attention_backend: str = "sdpa"
     scale_attention: bool = True  # scores q.k / sqrt(head_dim); T5 leaves them unscaled (folded into its init)
     attention: str = "softmax"  # self-attention: "softmax", "longformer" (local window + global tokens), "performer"
@@ -198,6 +213,47 @@ class ModelConfig(ConfigBase):
         if self.sinusoidal_base <= 1 or self.rope_theta <= 1:
             raise ConfigError("sinusoidal_base and rope_theta must be greater than 1 (the paper uses 10000)")
         self._check_relative_buckets()
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        """Per-layer windows, RoPE bases, soft caps and score scales (Gemma 2/3, Qwen2)."""
+        for kind in self.layer_types or []:
+            check_choice("layer_types", kind, LAYER_TYPES)
+        if self.layer_types is not None:
+            if self.family != "decoder" or len(self.layer_types) != self.n_decoder_layers:
+                raise ConfigError(
+                    f"layer_types names each decoder layer's attention, so family 'decoder' needs one entry per "
+                    f"layer ({self.n_decoder_layers}), got {len(self.layer_types)} for family '{self.family}'"
+                )
+            if "sliding" in self.layer_types and self.sliding_window is None:
+                raise ConfigError("layer_types has 'sliding' layers but sliding_window is null; set sliding_window")
+        for name in ("attn_logit_softcap", "final_logit_softcap", "attention_scale_dim", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be positive (or null for none), got {value}")
+        if self.attn_logit_softcap is not None and self.attention != "softmax":
+            raise ConfigError(
+                f"attn_logit_softcap caps softmax attention's scores, which attention '{self.attention}' never "
+                "forms; use attention 'softmax' or remove attn_logit_softcap"
+            )
+        if self.rope_local_theta is not None and self.position != "rope":
+            raise ConfigError(f"rope_local_theta sets RoPE's base, but position is '{self.position}'; remove it")
+        if self.rope_scaling == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ConfigError(
+                f"rope_scaling 'llama3' needs 0 < rope_low_freq_factor < rope_high_freq_factor (Llama 3.1: 1 and 4), "
+                f"got {self.rope_low_freq_factor} and {self.rope_high_freq_factor}"
+            )
+
+    @property
+    def shared_window(self) -> int | None:
+        """The sliding window every decoder layer has, or None when some layer sees every earlier key (layer_types):
+        what rolling caches and the engine's block reads and releases may rely on."""
+        return self.sliding_window if self.layer_types is None or "full" not in self.layer_types else None
+
+    def layer_windows(self) -> list[int | None]:
+        """Each decoder layer's sliding window (None: it sees every earlier key)."""
+        kinds = self.layer_types or ["sliding"] * self.n_decoder_layers
+        return [self.sliding_window if kind == "sliding" else None for kind in kinds]
 
     def _check_attention(self) -> None:
         if self.attention == "longformer":

@@ -114,7 +114,7 @@ class Engine:
             prefix_caching=self.config.prefix_caching and self.runner.prefix_caching,
             lookahead=self.config.num_speculative_tokens if draft is not None else 0,
             max_model_len=self.max_model_len,
-            window=model.config.sliding_window,
+            window=model.config.shared_window,  # blocks go back only when no layer can see them
         )
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.context = ContextWindow(self.runner, self.max_model_len)

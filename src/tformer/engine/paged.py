@@ -292,6 +292,6 @@ def paged_cache_for(
         mc.head_dim,
         weight.dtype,
         weight.device,
-        window=mc.sliding_window,
+        window=mc.shared_window,  # mixed layers (Gemma) read every key; each layer's mask keeps its window
         kv_cache_dtype=kv_cache_dtype,
     )

@@ -25,8 +25,9 @@ from safetensors.torch import save_file
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.files import read_mapping, write_atomically
-from tformer.interop.hf_decoders import GPT2, GPT2_BARE, LLAMA, MISTRAL
+from tformer.interop.hf_decoders import GPT2, GPT2_BARE, LLAMA, MISTRAL, PHI3, QWEN2, QWEN3
 from tformer.interop.hf_encoders import BART, BERT_MLM, BERT_MODEL, BERT_SEQUENCE, BERT_TOKEN, MARIAN
+from tformer.interop.hf_gemma import GEMMA2, GEMMA3
 from tformer.interop.hf_files import WEIGHTS, WEIGHTS_INDEX, Weights, listed, open_weights
 from tformer.interop.hf_longformer import LONGFORMER_MLM, LONGFORMER_MODEL
 from tformer.interop.hf_spec import COPY, SAME, Entry, Family, HFFields, Table, Transform, UnsupportedHFConfig
@@ -51,6 +52,18 @@ TOKENIZER_FILES = (
 )
 NOT_COMPARED = ("dropout", "attn_dropout", "init", "init_std")  # training settings, kept by export where it can
 DERIVED = ("n_kv_heads", "head_dim", "attention")  # fields config.json may leave implicit
+# fields newer families set, which every other family reads back at their defaults (so never holds otherwise)
+DERIVED += (
+    "attn_out_bias",
+    "qk_norm",
+    "layer_types",
+    "attn_logit_softcap",
+    "final_logit_softcap",
+    "attention_scale_dim",
+    "rope_local_theta",
+    "round_embed_scale",
+)
+
 
 FAMILIES: dict[str, Family] = {
     family.architecture: family
@@ -59,6 +72,11 @@ FAMILIES: dict[str, Family] = {
         GPT2_BARE,
         LLAMA,
         MISTRAL,
+        QWEN2,
+        QWEN3,
+        PHI3,
+        GEMMA2,
+        GEMMA3,
         BERT_MLM,
         BERT_MODEL,
         BERT_SEQUENCE,
@@ -75,6 +93,11 @@ MODEL_TYPES: dict[str, str] = {
     "gpt2": "GPT2LMHeadModel",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "bert": "BertForMaskedLM",
     "longformer": "LongformerModel",
     "bart": "BartForConditionalGeneration",
@@ -83,7 +106,16 @@ MODEL_TYPES: dict[str, str] = {
 }
 # what `to_hf` tries, in order, for each tformer family: the first that holds the config exactly is written
 EXPORTS: dict[str, tuple[str, ...]] = {
-    "decoder": ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM"),
+    "decoder": (
+        "GPT2LMHeadModel",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",  # after LlamaForCausalLM, which holds the same models: only `architecture` picks it
+    ),
     "encoder": (
         "BertForMaskedLM",
         "BertModel",
@@ -254,17 +286,19 @@ def to_hf(
     path: str | Path,
     tokenizer_dir: str | Path | None = None,
     extra_config: dict[str, Any] | None = None,
+    architecture: str | None = None,
 ) -> None:
     """Writes `model` as a Hugging Face model directory: config.json and model.safetensors (each atomically).
 
-    The architecture is the first in EXPORTS that represents the config exactly; CheckpointError lists, for each
+    The architecture is the first in EXPORTS that represents the config exactly (or `architecture`, when given,
+    e.g. "Phi3ForCausalLM" for a model LlamaForCausalLM also holds); CheckpointError lists, for each
     candidate, the fields it cannot hold. tformer's config has no bos/eos/decoder-start ids (they belong to the
     tokenizer): pass them in `extra_config`, which is merged into config.json last. Tokenizer files found in
     `tokenizer_dir` are copied. An encoder without a head becomes a BertModel without pooler weights, which
     transformers initializes at random (its last_hidden_state is exact; its pooler_output means nothing).
     """
     path = Path(path)
-    family, fields = export_family(model.config)
+    family, fields = export_family(model.config, architecture)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     hf_config = {
         "architectures": [family.architecture],
@@ -292,10 +326,18 @@ def config_to_hf(family: Family, config: ModelConfig) -> dict[str, Any]:
     return {**fields, **family.extra_out(config), "pad_token_id": config.pad_token_id}
 
 
-def export_family(config: ModelConfig) -> tuple[Family, dict[str, Any]]:
-    """The first architecture that holds `config` exactly, with its config.json fields."""
+def export_family(config: ModelConfig, architecture: str | None = None) -> tuple[Family, dict[str, Any]]:
+    """The first architecture that holds `config` exactly (only `architecture` when given), with its config.json
+    fields."""
     reasons = []
-    for name in EXPORTS[config.family]:
+    names = EXPORTS[config.family]
+    if architecture is not None:
+        if architecture not in names:
+            raise CheckpointError(
+                f"to_hf writes a {config.family} model as one of {', '.join(names)}, not {architecture!r}"
+            )
+        names = (architecture,)
+    for name in names:
         family = FAMILIES[name]
         try:
             fields = config_to_hf(family, config)

@@ -1,9 +1,12 @@
-"""Hugging Face decoder-only families as data: GPT-2, LLaMA and Mistral (see `hf_spec`)."""
+"""Hugging Face decoder-only families as data: GPT-2, LLaMA (Llama 3 too), Mistral, Qwen2, Qwen3 and Phi-3
+(see `hf_spec`)."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+import torch
 
 from tformer.config import ModelConfig
 from tformer.interop.hf_spec import (
@@ -17,6 +20,7 @@ from tformer.interop.hf_spec import (
     Family,
     HFFields,
     Table,
+    Transform,
     UnsupportedHFConfig,
     lookup,
     per_layer,
@@ -181,7 +185,9 @@ LLAMA_ATTN_BIAS: Table = {
 }
 LLAMA_MLP_BIAS: Table = {f"mlp.{x}_proj.bias": f"ffn.{x}_proj.bias" for x in ("gate", "up", "down")}
 
-ROPE_IN = {"default": "none", "linear": "linear", "dynamic": "dynamic-ntk", "yarn": "yarn"}
+QK_NORMS: Table = {f"self_attn.{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"}  # Qwen3, Gemma 3
+
+ROPE_IN = {"default": "none", "linear": "linear", "dynamic": "dynamic-ntk", "yarn": "yarn", "llama3": "llama3"}
 ROPE_OUT = {ours: theirs for theirs, ours in ROPE_IN.items()}
 
 
@@ -210,6 +216,12 @@ def _rope_in(hf: HFFields) -> dict[str, Any]:
         fields |= {
             "rope_original_max_len": hf["max_position_embeddings"],
             "max_seq_len": int(hf["max_position_embeddings"] * factor),
+        }
+    if kind == "llama3":  # Llama 3.1-3.3: max_position_embeddings is the extended context, not the trained one
+        fields |= {
+            "rope_original_max_len": original,
+            "rope_low_freq_factor": params.get("low_freq_factor", 1.0),
+            "rope_high_freq_factor": params.get("high_freq_factor", 4.0),
         }
     if kind == "yarn":
         _check_yarn(params, factor)
@@ -240,6 +252,12 @@ def _rope_out(config: ModelConfig) -> dict[str, Any]:
         params["factor"] = config.rope_factor
     if config.rope_scaling == "dynamic-ntk":
         out["max_position_embeddings"] = config.rope_original_max_len
+    if config.rope_scaling == "llama3":
+        params |= {
+            "original_max_position_embeddings": config.rope_original_max_len,
+            "low_freq_factor": config.rope_low_freq_factor,
+            "high_freq_factor": config.rope_high_freq_factor,
+        }
     if config.rope_scaling == "yarn":
         params |= {
             "original_max_position_embeddings": config.rope_original_max_len,
@@ -268,10 +286,13 @@ def _decoder_out(config: ModelConfig) -> dict[str, Any]:
 
 
 def _llama_tensors(config: ModelConfig) -> tuple[Table, Table]:
+    out_bias = config.attn_bias if config.attn_out_bias is None else config.attn_out_bias
     layer = {
         **LLAMA_LAYER,
-        **(LLAMA_ATTN_BIAS if config.attn_bias else {}),
+        **({k: v for k, v in LLAMA_ATTN_BIAS.items() if "o_proj" not in k} if config.attn_bias else {}),
+        **({k: v for k, v in LLAMA_ATTN_BIAS.items() if "o_proj" in k} if out_bias else {}),
         **(LLAMA_MLP_BIAS if config.ffn_bias else {}),
+        **(QK_NORMS if config.qk_norm else {}),
     }
     base = {**LLAMA_GLOBAL, **per_layer(layer, config.n_decoder_layers, "layers.{i}.", "decoder.layers.{i}.")}
     return base, {} if config.tie_embeddings else {"lm_head.weight": "lm_head.weight"}
@@ -300,6 +321,135 @@ MISTRAL = Family(  # MistralConfig has no bias switches
     _decoder_in,
     _decoder_out,
     _llama_tensors,
+    prefixes=("model.",),
+    ignored=LLAMA_IGNORED,
+    loose=("n_encoder_layers", "max_seq_len"),
+)
+
+# ---- Qwen2 / Qwen2.5 and Qwen3 -------------------------------------------------------------------------------------
+
+# layer_types in config.json (transformers 5) -> tformer's names, and back
+LAYER_TYPES_IN = {"sliding_attention": "sliding", "full_attention": "full"}
+LAYER_TYPES_OUT = {ours: theirs for theirs, ours in LAYER_TYPES_IN.items()}
+
+
+def windows_in(hf: HFFields, window: int | None, default_types: list[str]) -> dict[str, Any]:
+    """sliding_window and layer_types from config.json's per-layer types (`default_types` where it has none)."""
+    kinds = [lookup(LAYER_TYPES_IN, kind, "layer_types entry") for kind in hf.get("layer_types") or default_types]
+    if window is None or "sliding" not in kinds:
+        return {"sliding_window": None, "layer_types": None}
+    return {"sliding_window": window, "layer_types": None if "full" not in kinds else kinds}
+
+
+def windows_out(config: ModelConfig) -> dict[str, Any]:
+    """config.json's sliding_window and layer_types (every layer named) for `config`."""
+    kinds = config.layer_types or ["sliding" if config.sliding_window else "full"] * config.n_decoder_layers
+    return {"sliding_window": config.sliding_window, "layer_types": [LAYER_TYPES_OUT[kind] for kind in kinds]}
+
+
+def _qwen_in(hf: HFFields) -> dict[str, Any]:
+    """Qwen's window applies (with use_sliding_window) to the layers from max_window_layers on."""
+    window = hf["sliding_window"] if hf["use_sliding_window"] else None
+    n_layers, first = hf["num_hidden_layers"], hf["max_window_layers"]
+    default = ["sliding_attention" if window and i >= first else "full_attention" for i in range(n_layers)]
+    return {**_decoder_in(hf), **windows_in(hf, window, default)}
+
+
+def _qwen_out(config: ModelConfig) -> dict[str, Any]:
+    windows = windows_out(config)
+    return {**_decoder_out(config), **windows, "use_sliding_window": config.sliding_window is not None}
+
+
+QWEN_DEFAULTS = {
+    **LLAMA_DEFAULTS,
+    "max_position_embeddings": 32768,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+    "layer_types": None,
+}
+QWEN2 = Family(  # q, k and v have biases, the output projection none
+    "Qwen2ForCausalLM",
+    "qwen2",
+    {**LLAMA_FIXED, "attn_bias": True, "attn_out_bias": False, "ffn_bias": False},
+    LLAMA_RENAMES,
+    QWEN_DEFAULTS,
+    _qwen_in,
+    _qwen_out,
+    _llama_tensors,
+    prefixes=("model.",),
+    ignored=LLAMA_IGNORED,
+    loose=("n_encoder_layers", "max_seq_len"),
+)
+QWEN3 = Family(  # LLaMA's layer with a per-head RMSNorm on queries and keys
+    "Qwen3ForCausalLM",
+    "qwen3",
+    {**LLAMA_FIXED, "ffn_bias": False, "qk_norm": True},
+    {**LLAMA_RENAMES, "attn_bias": "attention_bias"},
+    {**QWEN_DEFAULTS, "head_dim": 128},
+    _qwen_in,
+    _qwen_out,
+    _llama_tensors,
+    prefixes=("model.",),
+    ignored=LLAMA_IGNORED,
+    loose=("n_encoder_layers", "max_seq_len"),
+)
+
+# ---- Phi-3 ----------------------------------------------------------------------------------------------------------
+
+
+def fused_rows(sizes: list[int]) -> Transform:
+    """Tensors stacked along their first dimension in one checkpoint tensor, split back by `sizes`."""
+    return Transform(lambda ours: torch.cat(ours), lambda t: list(t.split(sizes)))
+
+
+def _phi3_in(hf: HFFields) -> dict[str, Any]:
+    params = _rope_parameters(hf)
+    if params["rope_type"] not in ("default", "linear", "dynamic", "yarn", "llama3"):
+        raise UnsupportedHFConfig(
+            f"rope_type {params['rope_type']!r} (Phi-3's long-context RoPE with per-pair factors) has no tformer "
+            "equivalent; tformer reads Phi-3 checkpoints with the default RoPE (the 4k-context models)"
+        )
+    return _decoder_in(hf)
+
+
+def _phi3_out(config: ModelConfig) -> dict[str, Any]:
+    return {**_decoder_out(config), "original_max_position_embeddings": config.max_seq_len}
+
+
+def _phi3_tensors(config: ModelConfig) -> tuple[Table, Table]:
+    """LLaMA's tensors with q, k, v in one qkv_proj and the gate before the up projection in one gate_up_proj."""
+    q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    layer = {
+        "self_attn.qkv_proj.weight": (
+            tuple(f"self_attn.{x}_proj.weight" for x in "qkv"),
+            fused_rows([q_rows, kv_rows, kv_rows]),
+        ),
+        "self_attn.o_proj.weight": "self_attn.out_proj.weight",
+        "mlp.gate_up_proj.weight": (("ffn.gate_proj.weight", "ffn.up_proj.weight"), fused_rows([config.d_ff] * 2)),
+        "mlp.down_proj.weight": "ffn.down_proj.weight",
+        "input_layernorm.weight": "norm_attn.norm.weight",
+        "post_attention_layernorm.weight": "norm_ffn.norm.weight",
+    }
+    base = {**LLAMA_GLOBAL, **per_layer(layer, config.n_decoder_layers, "layers.{i}.", "decoder.layers.{i}.")}
+    return base, {} if config.tie_embeddings else {"lm_head.weight": "lm_head.weight"}
+
+
+PHI3 = Family(  # one window for every layer (sliding_window), or none
+    "Phi3ForCausalLM",
+    "phi3",
+    {**LLAMA_FIXED, "attn_bias": False, "ffn_bias": False},
+    {**LLAMA_RENAMES, "sliding_window": "sliding_window"},
+    {
+        **LLAMA_DEFAULTS,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": None,
+        "partial_rotary_factor": 1.0,
+    },
+    _phi3_in,
+    _phi3_out,
+    _phi3_tensors,
     prefixes=("model.",),
     ignored=LLAMA_IGNORED,
     loose=("n_encoder_layers", "max_seq_len"),

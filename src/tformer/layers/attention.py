@@ -7,6 +7,7 @@ Backends live in ATTENTION_BACKENDS: "sdpa" calls torch's fused scaled_dot_produ
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ from tformer.config import ModelConfig
 from tformer.layers.dropout import dropout
 from tformer.layers.kv_cache import CrossKV, SelfAttentionCache
 from tformer.layers.masks import AttentionMask
+from tformer.layers.norms import make_norm
 from tformer.layers.positions import Rotary, apply_rotary
 
 
@@ -176,12 +178,23 @@ def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 
 
 def math_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask,
+    dropout_p: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: softmax(Q K^T / sqrt(d_k) + bias) V, returning the attention weights too."""
+    """The reference: softmax(Q K^T / sqrt(d_k) + bias) V, returning the attention weights too.
+
+    With `softcap` (Gemma 2) the scores become softcap * tanh(scores / softcap) before the mask, which no fused
+    kernel does.
+    """
     n_rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     n_queries, n_keys = scores.shape[-2:]
     if mask.bias is None and mask.needs_bias(n_queries, n_keys):  # the reference builds the whole bias
         full = (0, n_queries, 0, n_keys, n_queries, n_keys)
@@ -219,15 +232,24 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(config.d_model, q_dim, bias=config.attn_bias)
         self.k_proj = nn.Linear(config.d_model, kv_dim, bias=config.attn_bias)
         self.v_proj = nn.Linear(config.d_model, kv_dim, bias=config.attn_bias)
-        self.out_proj = nn.Linear(q_dim, config.d_model, bias=config.attn_bias)
+        out_bias = config.attn_bias if config.attn_out_bias is None else config.attn_out_bias
+        self.out_proj = nn.Linear(q_dim, config.d_model, bias=out_bias)
+        # Qwen3 and Gemma 3 normalize each head's queries and keys (over head_dim) before RoPE
+        with_norms = config.qk_norm and not cross
+        self.q_norm = make_norm(config, self.head_dim) if with_norms else None
+        self.k_norm = make_norm(config, self.head_dim) if with_norms else None
         self.qkv_proj: nn.Module | None = None  # q, k and v in one layer, for serving: `fuse_projections`
         self.qkv_sizes: list[int] = []  # the widths of q, k and v in qkv_proj's output, set with it
         self.backend = ATTENTION_BACKENDS[config.attention_backend]
+        if config.attn_logit_softcap is not None:  # capped scores: the math path, in training and serving alike
+            self.backend = functools.partial(math_attention, softcap=config.attn_logit_softcap)
         self.attn_dropout = config.attn_dropout
         self.keep_weights = False
         self.last_weights: torch.Tensor | None = None
         self.heads = slice(None)  # the query heads this module computes: all of them unless sharded
         self.query_scale = 1.0 if config.scale_attention else math.sqrt(self.head_dim)
+        if config.attention_scale_dim is not None:  # scores over sqrt(attention_scale_dim), not sqrt(head_dim)
+            self.query_scale *= math.sqrt(self.head_dim / config.attention_scale_dim)
         # For serving: the rotary embedding in one fused kernel, which gives None where it does not apply
         # (`tformer.kernels.elementwise`)
         self.fused_rotary: Callable[[torch.Tensor, Rotary], torch.Tensor | None] | None = None
@@ -247,6 +269,8 @@ class Attention(nn.Module):
             q = self.to_heads(self.q_proj(x))  # (B, H, T, D)
         else:
             q, k, v = self.project_qkv(x)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
         if self.query_scale != 1.0:
             q = q * self.query_scale
         if not self.cross:

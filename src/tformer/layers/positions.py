@@ -8,6 +8,7 @@ Every scheme answers the same three questions, so a model never branches on the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -109,6 +110,7 @@ def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torc
     linear: positions divided by the factor (position interpolation, Chen et al., 2023).
     dynamic-ntk: the base grows once the sequence passes the original context (bloc97 / Code Llama).
     yarn: per-frequency blend of interpolation and extrapolation plus attention temperature (Peng et al., 2023).
+    llama3: long wavelengths interpolated, short ones kept, a smooth blend between (Llama 3.1's release).
     """
     dim, base, factor = config.head_dim, config.rope_theta, config.rope_factor
     original = config.rope_original_max_len
@@ -121,7 +123,22 @@ def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torc
         return inv_freq / factor, 1.0
     if config.rope_scaling == "yarn":
         return _yarn_inv_freq(inv_freq, config), 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    if config.rope_scaling == "llama3":
+        return _llama3_inv_freq(inv_freq, config), 1.0
     return inv_freq, 1.0
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Pairs whose wavelength exceeds original / low_freq_factor turn `factor` times slower; those shorter than
+    original / high_freq_factor keep their speed; in between, a blend linear in original / wavelength."""
+    original, factor = config.rope_original_max_len, config.rope_factor
+    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(between, blended, scaled)
 
 
 def _yarn_inv_freq(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -226,6 +243,13 @@ POSITIONS: dict[str, type[PositionScheme]] = {
     "t5": RelativeBucketPositions,
     "none": PositionScheme,
 }
+
+
+def local_rotary_positions(config: ModelConfig) -> RotaryPositions | None:
+    """The plain RoPE of base `rope_local_theta` that sliding-window layers use (Gemma 3), or None without one."""
+    if config.rope_local_theta is None:
+        return None
+    return RotaryPositions(dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling="none"))
 
 
 def make_positions(config: ModelConfig, causal: bool = False) -> PositionScheme:

@@ -79,6 +79,15 @@ class DecoderLM(TransformerModel):
         tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.decoder = TransformerStack(config, "decoder", tokens)
         self.lm_head = _output_head(config, tokens, config.vocab_size)
+        self.logit_softcap = config.final_logit_softcap
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states (..., d) -> next-token logits (..., V): the output head, then Gemma 2's soft cap
+        cap * tanh(logits / cap) when the config sets one. Every caller of the head (the engine too) comes here."""
+        logits = self.lm_head(hidden)
+        if self.logit_softcap is None:
+            return logits
+        return torch.tanh(logits / self.logit_softcap) * self.logit_softcap
 
     def forward(
         self,
@@ -101,7 +110,7 @@ class DecoderLM(TransformerModel):
             first_key = self.decoder.first_visible(cache, start)
             inputs = StackInputs.from_prefix(input_ids, attention_mask, positions, start, first_key)
         hidden = self.decoder(input_ids, inputs, cache=cache, prefix_lengths=prefix_lengths)
-        return self.lm_head(hidden)
+        return self.output_logits(hidden)
 
     def new_cache(
         self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, rolling: bool = True

@@ -13,7 +13,7 @@ from tformer.config import ModelConfig
 from tformer.layers import AttentionMask, Block, Dropout, make_norm, make_positions
 from tformer.layers.kv_cache import KVCache, LayerCache
 from tformer.layers.masks import build_mask
-from tformer.layers.positions import Rotary
+from tformer.layers.positions import Rotary, local_rotary_positions
 
 
 def default_positions(n_keys: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -125,11 +125,16 @@ class TransformerStack(nn.Module):
         super().__init__()
         self.config = config
         self.causal = stack == "decoder"
-        self.window = config.sliding_window if self.causal else None
         n_layers = config.n_decoder_layers if self.causal else config.n_encoder_layers
+        # each layer's sliding window (Gemma alternates windowed and full layers); `window` is the one all layers
+        # share (rolling caches rely on it), None when they differ
+        self.windows = config.layer_windows() if self.causal else [None] * n_layers
+        self.window = config.shared_window if self.causal else None
         self.tokens = tokens
         self.token_types = nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
         self.positions = make_positions(config, causal=self.causal)
+        # Gemma 3: windowed layers rotate by a RoPE of their own base (None: they share `positions`)
+        self.local_positions = local_rotary_positions(config) if any(self.windows) else None
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
         self.embed_norm = make_norm(config) if config.embedding_norm else None
         self.dropout = Dropout(config.dropout)
@@ -141,7 +146,10 @@ class TransformerStack(nn.Module):
     def embed(
         self, tokens: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None = None
     ) -> torch.Tensor:
-        x = self.tokens(tokens) * self.embed_scale  # (B, T, d)
+        if self.config.round_embed_scale:  # Gemma rounds the scale to the weights' dtype first
+            x = self.tokens(tokens) * torch.tensor(self.embed_scale, dtype=self.tokens.weight.dtype)  # (B, T, d)
+        else:
+            x = self.tokens(tokens) * self.embed_scale  # (B, T, d)
         position_embedding = self.positions.embed(positions)
         if position_embedding is not None:
             x = x + position_embedding
@@ -173,22 +181,26 @@ class TransformerStack(nn.Module):
         inputs = StackInputs.from_prefix(tokens) if inputs is None else inputs
         x = self.embed(tokens, inputs.positions, token_types)
         dtype, device, n_queries = compute_dtype(x), x.device, tokens.shape[1]
-        mask = build_mask(
-            n_queries=n_queries,
-            n_keys=inputs.n_keys,
-            causal=self.causal,
-            dtype=dtype,
-            device=device,
-            key_padding=inputs.key_padding,
-            window=self.window,
-            position_bias=self.positions.attention_bias if self.positions.has_attention_bias else None,
-            query_positions=inputs.positions,
-            key_positions=inputs.key_positions,
-            query_slots=inputs.query_slots,
-            prefix_lengths=prefix_lengths,
-            global_tokens=global_tokens,
-        )
+        masks = {  # one mask per distinct layer window, each built once a forward
+            window: build_mask(
+                n_queries=n_queries,
+                n_keys=inputs.n_keys,
+                causal=self.causal,
+                dtype=dtype,
+                device=device,
+                key_padding=inputs.key_padding,
+                window=window,
+                position_bias=self.positions.attention_bias if self.positions.has_attention_bias else None,
+                query_positions=inputs.positions,
+                key_positions=inputs.key_positions,
+                query_slots=inputs.query_slots,
+                prefix_lengths=prefix_lengths,
+                global_tokens=global_tokens,
+            )
+            for window in dict.fromkeys(self.windows)
+        }
         rotary = inputs.rotary if inputs.rotary is not None else self.positions.rotary(inputs.positions)
+        local_rotary = rotary if self.local_positions is None else self.local_positions.rotary(inputs.positions)
         memory_mask = None
         if memory is not None or memory_padding is not None:
             n_memory = memory.shape[1] if memory is not None else memory_padding.shape[1]
@@ -202,7 +214,11 @@ class TransformerStack(nn.Module):
             )
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache[i]
-            x = self._run_layer(layer, x, mask, rotary, memory, memory_mask, layer_cache, inputs.cache_slots)
+            window = self.windows[i]
+            layer_rotary = rotary if window is None else local_rotary
+            x = self._run_layer(
+                layer, x, masks[window], layer_rotary, memory, memory_mask, layer_cache, inputs.cache_slots
+            )
         x = self.final_norm(x)
         return x if self.output_scale == 1.0 else x * self.output_scale
 
