@@ -12,7 +12,7 @@ import pytest
 from tformer import config
 from tformer.layers.attention import ATTENTION_BACKENDS
 from tformer.layers.block import RESIDUALS, SELF_ATTENTIONS
-from tformer.layers.ffn import ACTIVATIONS, FFNS
+from tformer.layers.ffn import ACTIVATIONS, FFNS, ROUTERS
 from tformer.layers.norms import NORMS
 from tformer.layers.positions import POSITIONS, SINUSOIDAL_LAYOUTS
 from tformer.models.families import ENCODER_HEADS, MODELS
@@ -29,6 +29,7 @@ PAIRS = {
     "ATTENTION_NAMES": SELF_ATTENTIONS,
     "INIT_NAMES": INITS,
     "ENCODER_HEAD_NAMES": ENCODER_HEADS,
+    "MOE_ROUTER_NAMES": ROUTERS,
 }
 
 

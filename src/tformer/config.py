@@ -25,6 +25,8 @@ ATTENTION_NAMES = ("softmax", "longformer", "performer")
 # through ModelConfig.layer_windows
 LAYER_TYPES = {"sliding": "the last sliding_window keys", "full": "every earlier key"}
 INIT_NAMES = ("xavier", "gpt2", "normal")
+# how a mixture of experts turns router logits into the top-k experts' weights (layers/ffn.py, ROUTERS)
+MOE_ROUTER_NAMES = ("topk-softmax", "softmax-topk")
 ENCODER_HEAD_NAMES = ("mlm", "none", "sequence-classification", "token-classification")
 # the encoder heads that take num_labels (a frozenset, not a tuple: test_registries pairs every name tuple)
 CLASSIFICATION_HEADS = frozenset({"sequence-classification", "token-classification"})
@@ -115,6 +117,15 @@ class ModelConfig(ConfigBase):
     ssm_state_size: int = 16
     ssm_conv_width: int = 4
     ssm_expand: int = 2
+
+    # mixture of experts (Mixtral, Qwen3-MoE): each FFN becomes n_experts FFNs of kind `ffn` and a router that
+    # sends each token to n_experts_per_token of them (layers/ffn.py); 0 experts: a dense FFN
+    n_experts: int = 0
+    n_experts_per_token: int = 2
+    moe_d_ff: int | None = None  # each expert's hidden width; None: d_ff (which moe_dense_layers keep)
+    moe_router: str = "topk-softmax"  # "topk-softmax": softmax over the top-k logits; "softmax-topk": over all
+    moe_dense_layers: list[int] | None = None  # layer indices (from 0) that keep a dense FFN of width d_ff
+    router_aux_loss_coef: float = 0.01  # training: weight of the load-balancing loss (Switch Transformer)
 
     # initialization
     init: str = "xavier"
@@ -214,6 +225,31 @@ class ModelConfig(ConfigBase):
             raise ConfigError("sinusoidal_base and rope_theta must be greater than 1 (the paper uses 10000)")
         self._check_relative_buckets()
         self._check_layer_types()
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        check_choice("moe_router", self.moe_router, MOE_ROUTER_NAMES)
+        if self.n_experts == 0:
+            return
+        if self.n_experts < 0 or not 1 <= self.n_experts_per_token <= self.n_experts:
+            raise ConfigError(
+                f"a mixture of experts needs n_experts >= 1 and 1 <= n_experts_per_token <= n_experts, got "
+                f"n_experts={self.n_experts}, n_experts_per_token={self.n_experts_per_token} (0 experts: dense FFNs)"
+            )
+        if self.family not in ("decoder", "encoder", "encoder-decoder"):
+            raise ConfigError(f"n_experts replaces Transformer FFNs, but family '{self.family}' has none")
+        if self.moe_d_ff is not None and self.moe_d_ff < 1:
+            raise ConfigError(f"moe_d_ff must be at least 1 (or null for d_ff), got {self.moe_d_ff}")
+        n_layers = max(self.n_encoder_layers, self.n_decoder_layers)
+        if any(not 0 <= i < n_layers for i in self.moe_dense_layers or []):
+            raise ConfigError(f"moe_dense_layers {self.moe_dense_layers} must be layer indices in [0, {n_layers})")
+        if self.init == "gpt2":
+            raise ConfigError(
+                "init 'gpt2' scales each layer's single down_proj, which a mixture of experts does not have; "
+                "use init 'normal' (the same draws without that scaling)"
+            )
+        if self.router_aux_loss_coef < 0:
+            raise ConfigError(f"router_aux_loss_coef must be at least 0, got {self.router_aux_loss_coef}")
 
     def _check_layer_types(self) -> None:
         """Per-layer windows, RoPE bases, soft caps and score scales (Gemma 2/3, Qwen2)."""

@@ -1,22 +1,23 @@
-"""Load LLaMA-architecture GGUF files (llama.cpp's format) into a tformer `DecoderLM`.
+"""Load GGUF files (llama.cpp's format) into tformer models: llama (Llama 3's scaled RoPE and Mixtral too),
+mistral, qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma2, gemma3 and gpt2.
 
 A GGUF file is a header of typed key/value metadata, a table of tensor descriptions and the tensor bytes,
-which are memory-mapped and dequantized (`gguf_file`). Three things differ from a PyTorch state dict:
+which are memory-mapped and dequantized (`gguf_file`, `gguf_quants`). A tensor's shape is listed innermost
+dimension first (ggml's ne[0] is the row length), so a (out, in) weight is described as [in, out].
 
-- A tensor's shape is listed innermost dimension first (ggml's ne[0] is the row length), so a (out, in)
-  weight is described as [in, out].
-- Quantized types pack blocks of 32 or 256 values with per-block scales; they are expanded to float32 here.
-- llama.cpp applies RoPE to adjacent pairs (x0, x1), (x2, x3), ..., while LLaMA checkpoints (and tformer)
-  rotate the half-split pairs (x_i, x_{i + d/2}). llama.cpp's converter therefore permutes the rows of each
-  head of W_q and W_k (and of W_k's n_kv_heads heads under GQA); `unpermute_rope_rows` undoes that.
-
-Nothing is ever unpickled. Foreign tensor names (`blk.N.attn_q.weight`, ...) appear only in this package.
+Each architecture's metadata and tensors are read back into the Hugging Face checkpoint llama.cpp's converter
+started from (`gguf_arch`: renames, llama's q/k row permutation undone, Gemma's norm offsets, ...), and the
+Hugging Face family of `hf_decoders` builds the tformer model from that, so that one table per family says
+what its config and weights mean. Nothing is ever unpickled. Foreign tensor names (`blk.N.attn_q.weight`, ...)
+appear only in this package.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Collection
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,73 +25,32 @@ import torch
 from gguf import GGMLQuantizationType
 
 from tformer.config import ConfigError, ModelConfig
+from tformer.interop.gguf_arch import (
+    ARCHITECTURES,
+    LLAMA_PERMUTED,
+    MIXTRAL,
+    Architecture,
+    Transform,
+    llama3_rope,
+    unpermute_rope_rows,
+)
 from tformer.interop.gguf_file import GGUF_MAGIC, GGUFFile, Malformed, TensorInfo, Truncated, q4_1_groups
+from tformer.interop.hf import FAMILIES as HF_FAMILIES
+from tformer.interop.hf import expected_shapes, hf_fields, read_state
+from tformer.interop.hf_files import listed
+from tformer.interop.hf_spec import COPY, Family, Table
 from tformer.models import CheckpointError, DecoderLM, assign_weights, build_model
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+__all__ = ["unpermute_rope_rows"]  # re-exported: tests and tools undo llama.cpp's permutation with it
+
 Q = GGMLQuantizationType
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K)
-
-# GGUF tensor name -> tformer parameter name; per-layer names get the prefixes blk.{i}. and decoder.layers.{i}.
-GLOBAL_TENSORS: dict[str, str] = {
-    "token_embd.weight": "decoder.tokens.weight",
-    "output_norm.weight": "decoder.final_norm.weight",
-    "output.weight": "lm_head.weight",  # absent when the output projection is tied to the embedding
-}
-LAYER_TENSORS: dict[str, str] = {
-    "attn_norm.weight": "norm_attn.norm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.out_proj.weight",
-    "ffn_norm.weight": "norm_ffn.norm.weight",
-    "ffn_gate.weight": "ffn.gate_proj.weight",
-    "ffn_up.weight": "ffn.up_proj.weight",
-    "ffn_down.weight": "ffn.down_proj.weight",
-}
-# per-layer tensors whose rows llama.cpp permuted, and the config field holding their head count
-ROPE_PERMUTED: dict[str, str] = {"attn_q.weight": "n_heads", "attn_k.weight": "n_kv_heads"}
-# tensors some LLaMA-architecture files carry that need a model feature tformer lacks
-UNSUPPORTED_TENSORS: dict[str, str] = {
-    "rope_freqs.weight": "per-frequency RoPE factors (Llama 3.1-style rope scaling)",
-}
-
-# what the llama architecture fixes: pre-RMSNorm, RoPE, SwiGLU, no biases, unscaled embeddings
-LLAMA_FIELDS: dict[str, Any] = {
-    "family": "decoder",
-    "n_encoder_layers": 0,
-    "position": "rope",
-    "ffn": "swiglu",
-    "ffn_bias": False,
-    "attn_bias": False,
-    "norm": "rmsnorm",
-    "norm_placement": "pre",
-    "scale_embeddings": False,
-    "init": "normal",
-    "dropout": 0.0,
-}
-# "{arch}.<key>" metadata -> ModelConfig field
-ARCH_METADATA: dict[str, str] = {
-    "context_length": "max_seq_len",
-    "embedding_length": "d_model",
-    "block_count": "n_decoder_layers",
-    "feed_forward_length": "d_ff",
-    "attention.head_count": "n_heads",
-    "attention.head_count_kv": "n_kv_heads",
-    "attention.key_length": "head_dim",
-    "rope.freq_base": "rope_theta",
-    "attention.layer_norm_rms_epsilon": "norm_eps",
-    "vocab_size": "vocab_size",
-}
-REQUIRED_METADATA = ("embedding_length", "block_count", "feed_forward_length", "attention.head_count")
-# "{arch}.rope.scaling.<key>" metadata -> ModelConfig field
-ROPE_SCALING_METADATA: dict[str, str] = {
-    "factor": "rope_factor",
-    "original_context_length": "rope_original_max_len",
-    "yarn_beta_fast": "yarn_beta_fast",
-    "yarn_beta_slow": "yarn_beta_slow",
-}
-ROPE_SCALING_TYPES: dict[str, str] = {"none": "none", "linear": "linear", "yarn": "yarn"}
+REQUIRED_METADATA = ("embedding_length", "block_count", "attention.head_count")
+ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+ROPE_FREQS = "rope_freqs.weight"
+LLAMA3_ORIGINAL_CONTEXT = 8192  # Llama 3.x's; see `llama3_rope`
+ROW_TRANSFORMS = tuple(LLAMA_PERMUTED.values())  # transforms that move whole rows, which quantized blocks allow
 
 
 class GGUFError(CheckpointError):
@@ -132,74 +92,198 @@ def metadata(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return reader.get(key, default)
 
 
-def architecture(reader: GGUFFile, path: str | os.PathLike[str]) -> str:
-    """`general.architecture`, checked against the architectures this loader supports."""
+def architecture_of(reader: GGUFFile, path: str | os.PathLike[str]) -> tuple[str, Architecture]:
+    """`general.architecture` and its description; a `llama` file with experts is a Mixtral."""
     arch = metadata(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in ARCHITECTURES:
         raise GGUFError(
             f"{path}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    return arch
+    if arch == "llama" and (metadata(reader, "llama.expert_count") or 0) > 0:
+        return arch, MIXTRAL
+    return arch, ARCHITECTURES[arch]
+
+
+def hf_config_from_gguf(reader: GGUFFile, path: str | os.PathLike[str]) -> tuple[Architecture, dict[str, Any]]:
+    """The file's architecture and the Hugging Face config.json its metadata describe."""
+    arch_name, arch = architecture_of(reader, path)
+
+    def meta(key: str) -> Any:
+        return metadata(reader, f"{arch_name}.{key}")
+
+    missing = [f"{arch_name}.{key}" for key in REQUIRED_METADATA if meta(key) is None]
+    if missing:
+        raise GGUFError(f"{path}: metadata {', '.join(missing)} missing; the file is incomplete")
+    config: dict[str, Any] = {"architectures": [arch.hf_architecture], "model_type": arch.model_type, **arch.fixed}
+    for key, hf_key in arch.metadata.items():
+        value = meta(key)
+        if isinstance(value, list):
+            raise GGUFError(f"{path}: {arch_name}.{key} differs per layer ({value[:4]}...), which tformer cannot build")
+        if value is not None:
+            config[hf_key] = value
+    config.setdefault("vocab_size", _token_count(reader))
+    config["tie_word_embeddings"] = _tied(reader)
+    for key in ("bos", "eos", "padding"):
+        token_id = metadata(reader, f"tokenizer.ggml.{key}_token_id")
+        if isinstance(token_id, int) and config["vocab_size"] and 0 <= token_id < config["vocab_size"]:
+            config["pad_token_id" if key == "padding" else f"{key}_token_id"] = token_id
+    if arch.rope:
+        config["rope_parameters"] = _rope_parameters(reader, arch_name, config, path)
+    if arch.extra is not None:
+        try:
+            config |= arch.extra(meta, config)
+        except (ValueError, KeyError, TypeError) as err:
+            raise GGUFError(f"{path}: the {arch_name} metadata describe no valid model: {err}") from None
+    return arch, config
+
+
+def _token_count(reader: GGUFFile) -> int | None:
+    """The vocabulary's size from the tokenizer, else from the embedding's rows."""
+    tokens = reader.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens)
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    return None if embedding is None else embedding.torch_shape[0]
+
+
+def _tied(reader: GGUFFile) -> bool:
+    """Whether the output projection is the token embedding: no `output.weight`, or (llama.cpp's gpt2) a byte
+    for byte copy of it."""
+    by_name = {t.name: t for t in reader.tensors}
+    output, embedding = by_name.get("output.weight"), by_name.get("token_embd.weight")
+    if output is None:
+        return True
+    if embedding is None or (output.shape, output.tensor_type) != (embedding.shape, embedding.tensor_type):
+        return False
+    return torch.equal(reader.raw(output), reader.raw(embedding))
+
+
+def _rope_parameters(
+    reader: GGUFFile, arch: str, config: dict[str, Any], path: str | os.PathLike[str]
+) -> dict[str, Any]:
+    """config.json's rope_parameters: the base, and the scaling from rope.scaling.* or llama3's rope_freqs."""
+    theta = config.pop("rope_theta", 10000.0)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    rotary = metadata(reader, f"{arch}.rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise GGUFError(f"{path}: RoPE rotates {rotary} of {head_dim} head dimensions; tformer rotates all of them")
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    kind = metadata(reader, f"{arch}.rope.scaling.type")
+    if kind is None and (linear := metadata(reader, f"{arch}.rope.scale_linear")) is not None:
+        kind, params["factor"] = "linear", linear  # older files
+    elif kind is not None and kind not in ROPE_SCALING_TYPES:
+        raise GGUFError(f"{path}: RoPE scaling {kind!r} is not supported; supported: {', '.join(ROPE_SCALING_TYPES)}")
+    scaling = {key: metadata(reader, f"{arch}.rope.scaling.{key}") for key in ("factor", "original_context_length")}
+    if kind in ("linear", "yarn"):
+        params |= {"rope_type": kind, "factor": scaling["factor"] or params.get("factor", 1.0)}
+    if kind == "yarn":
+        params["original_max_position_embeddings"] = scaling["original_context_length"] or config.get(
+            "max_position_embeddings"
+        )
+        for key in ("beta_fast", "beta_slow"):
+            if (value := metadata(reader, f"{arch}.rope.scaling.yarn_{key}")) is not None:
+                params[key] = value
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None and kind in (None, "none"):
+        original = scaling["original_context_length"] or LLAMA3_ORIGINAL_CONTEXT
+        llama3 = llama3_rope(reader.dequantize(freqs).flatten(), theta, head_dim, original)
+        if llama3 is None:
+            raise GGUFError(
+                f"{path}: tensor {ROPE_FREQS} holds per-frequency RoPE divisors that match no Llama 3 scaling, "
+                "which is the only kind tformer reads from it"
+            )
+        params |= llama3
+    elif freqs is not None:
+        raise GGUFError(f"{path}: tensor {ROPE_FREQS} together with RoPE scaling {kind!r} is not supported")
+    return params
+
+
+def hf_family(arch: Architecture, path: str | os.PathLike[str]) -> Family:
+    """The Hugging Face family that builds `arch`'s models, or a GGUFError naming it as unsupported."""
+    if arch.hf_architecture not in HF_FAMILIES:
+        buildable = [name for name, a in ARCHITECTURES.items() if a.hf_architecture in HF_FAMILIES]
+        raise GGUFError(
+            f"{path}: this GGUF model is a {arch.hf_architecture}, which tformer cannot build yet; "
+            f"supported GGUF architectures: {', '.join(buildable)} (and llama files with experts, if Mixtral is)"
+        )
+    return HF_FAMILIES[arch.hf_architecture]
 
 
 def config_from_gguf(reader: GGUFFile, path: str | os.PathLike[str]) -> ModelConfig:
     """The ModelConfig that the file's metadata and tensor list describe."""
-    arch = architecture(reader, path)
-    missing = [f"{arch}.{key}" for key in REQUIRED_METADATA if reader.get(f"{arch}.{key}") is None]
-    if missing:
-        raise GGUFError(f"{path}: metadata {', '.join(missing)} missing; the file is incomplete")
-    fields = dict(LLAMA_FIELDS)
-    for key, name in ARCH_METADATA.items():
-        if (value := metadata(reader, f"{arch}.{key}")) is not None:
-            fields[name] = value
-    fields.setdefault("vocab_size", _token_count(reader))
-    names = {t.name for t in reader.tensors}
-    fields["tie_embeddings"] = "output.weight" not in names
-    pad_id = metadata(reader, "tokenizer.ggml.padding_token_id")
-    if pad_id is not None and "vocab_size" in fields and pad_id < fields["vocab_size"]:
-        fields["pad_token_id"] = pad_id
-    fields.update(_rope_scaling(reader, arch, path))
+    arch, hf_config = hf_config_from_gguf(reader, path)
+    return _model_config(hf_family(arch, path), hf_config, path)
+
+
+def _model_config(family: Family, hf_config: dict[str, Any], path: str | os.PathLike[str]) -> ModelConfig:
     try:
-        config = ModelConfig.from_dict(fields, source=str(path))
-    except ConfigError as err:
-        raise GGUFError(f"{err} (the GGUF metadata describe an invalid model)") from None
-    rotary_dims = metadata(reader, f"{arch}.rope.dimension_count", config.head_dim)
-    if rotary_dims != config.head_dim:
-        raise GGUFError(
-            f"{path}: RoPE rotates {rotary_dims} of {config.head_dim} head dimensions; tformer rotates all of them"
-        )
-    return config
+        return ModelConfig(**hf_fields(family, hf_config))
+    except (ConfigError, CheckpointError) as err:
+        raise GGUFError(f"{path}: the GGUF metadata describe a model tformer cannot build: {err}") from None
 
 
-def _token_count(reader: GGUFFile) -> int | None:
-    tokens = reader.get("tokenizer.ggml.tokens")
-    return None if tokens is None else len(tokens)
+class GGUFTensors:
+    """A GGUF file's tensors under Hugging Face names, dequantized on demand (the interface of
+    `hf_files.Weights` that `hf.read_state` reads): renamed, transformed back, and 3-D expert tensors split
+    into one matrix per expert (read straight from that expert's bytes)."""
 
+    def __init__(self, reader: GGUFFile, arch: Architecture, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
+        self.reader, self.arch, self.hf_config, self.dtype = reader, arch, hf_config, dtype
+        self.sources: dict[str, tuple[TensorInfo, Transform | None]] = {}
+        self.gguf_name: dict[str, str] = {}  # HF name -> the GGUF tensor it comes from
+        self.unknown: list[str] = []  # GGUF tensors this architecture has no place for
+        for tensor in reader.tensors:
+            if tensor.name in arch.consumed or (tensor.name == "output.weight" and hf_config["tie_word_embeddings"]):
+                continue  # read into config.json, or a copy of the embedding (`_tied`)
+            for hf_name, source, transform in self._resolve(tensor):
+                self.sources[hf_name] = (source, transform)
+                self.gguf_name[hf_name] = tensor.name
+        self.names = set(self.sources)
+        self.file_of = dict.fromkeys(self.names, reader.path)
 
-def _rope_scaling(reader: GGUFFile, arch: str, path: str | os.PathLike[str]) -> dict[str, Any]:
-    kind = metadata(reader, f"{arch}.rope.scaling.type")
-    if kind is None and (linear := metadata(reader, f"{arch}.rope.scale_linear")) is not None:
-        return {"rope_scaling": "linear", "rope_factor": linear}  # older files
-    if kind is None:
-        return {}
-    if kind not in ROPE_SCALING_TYPES:
-        raise GGUFError(f"{path}: RoPE scaling {kind!r} is not supported; supported: {', '.join(ROPE_SCALING_TYPES)}")
-    fields = {"rope_scaling": ROPE_SCALING_TYPES[kind]}
-    for key, name in ROPE_SCALING_METADATA.items():
-        if (value := metadata(reader, f"{arch}.rope.scaling.{key}")) is not None:
-            fields[name] = value
-    return fields
+    def _resolve(self, tensor: TensorInfo) -> list[tuple[str, TensorInfo, Transform | None]]:
+        stem, dot, suffix = tensor.name.rpartition(".")
+        if not dot or suffix not in ("weight", "bias"):
+            self.unknown.append(tensor.name)
+            return []
+        layer, short = None, stem
+        if stem.startswith("blk.") and stem.count(".") >= 2 and stem.split(".")[1].isdigit():
+            _, layer, short = stem.split(".", 2)
+        transform = self.arch.transform_for(f"{short}.{suffix}")
+        if layer is None and short in self.arch.global_tensors:
+            return [(f"{self.arch.global_tensors[short]}.{suffix}", tensor, transform)]
+        prefix = f"{self.arch.layer_prefix}{layer}."
+        if layer is not None and short in self.arch.layer_tensors:
+            return [(f"{prefix}{self.arch.layer_tensors[short]}.{suffix}", tensor, transform)]
+        if layer is not None and short in self.arch.experts and len(tensor.shape) == 3:
+            n_experts, step = tensor.shape[2], tensor.n_bytes // tensor.shape[2]
+            return [
+                (
+                    f"{prefix}{self.arch.experts[short].format(j=j)}.{suffix}",
+                    replace(
+                        tensor,
+                        name=f"{tensor.name}[{j}]",
+                        shape=tensor.shape[:2],
+                        start=tensor.start + j * step,
+                        n_bytes=step,
+                    ),
+                    transform,
+                )
+                for j in range(n_experts)
+            ]
+        self.unknown.append(tensor.name)
+        return []
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        source, transform = self.sources[name]
+        meta = torch.empty(source.torch_shape, device="meta")
+        return tuple((meta if transform is None else transform(meta, self.hf_config)).shape)
 
-def tensor_names(config: ModelConfig) -> dict[str, str]:
-    """GGUF tensor name -> tformer parameter name, for every tensor a LLaMA file of this config holds."""
-    names = dict(GLOBAL_TENSORS)
-    if config.tie_embeddings:
-        del names["output.weight"]
-    for i in range(config.n_decoder_layers):
-        for gguf, ours in LAYER_TENSORS.items():
-            names[f"blk.{i}.{gguf}"] = f"decoder.layers.{i}.{ours}"
-    return names
+    def get(self, name: str) -> torch.Tensor:
+        source, transform = self.sources[name]
+        value = dequantize_tensor(self.reader, source)
+        value = value if transform is None else transform(value, self.hf_config)
+        return value.to(self.dtype)
 
 
 def dequantize_tensor(reader: GGUFFile, tensor: TensorInfo) -> torch.Tensor:
@@ -213,33 +297,57 @@ def dequantize_tensor(reader: GGUFFile, tensor: TensorInfo) -> torch.Tensor:
     return reader.dequantize(tensor)
 
 
-def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's row permutation of a q or k projection (n_heads * head_dim, d_model).
-
-    Within each head, llama.cpp stores row (i, half) at position 2 i + half; the half-split layout keeps it at
-    half * head_dim / 2 + i.
-    """
-    rows, cols = weight.shape
-    head_dim = rows // n_heads
-    per_pair = weight.reshape(n_heads, head_dim // 2, 2, cols)  # (H, pair, half, in) as llama.cpp stores it
-    return per_pair.transpose(1, 2).reshape(rows, cols)  # (H, half, pair, in) -> (H * head_dim, in)
+def _table(family: Family, config: ModelConfig) -> Table:
+    base, head = family.tensors(config)
+    return {family.prefixes[0] + name: entry for name, entry in base.items()} | head
 
 
-def _check_tensor_list(reader: GGUFFile, names: dict[str, str], path: str | os.PathLike[str]) -> None:
-    present = {t.name for t in reader.tensors}
-    for name, feature in UNSUPPORTED_TENSORS.items():
-        if name in present:
-            raise GGUFError(f"{path}: tensor {name} needs {feature}, which tformer does not implement")
-    missing = [name for name in names if name not in present]
-    if missing:
+def _check_tensors(weights: GGUFTensors, table: Table, expected: dict[str, tuple[int, ...]], path: Any) -> None:
+    """GGUFErrors in the file's own terms: unknown, missing and misshaped tensors by their GGUF names."""
+    arch = weights.arch.model_type
+    if weights.unknown:
         raise GGUFError(
-            f"{path}: missing tensor {missing[0]} (tformer's {names[missing[0]]})"
+            f"{path}: unexpected tensors {listed(weights.unknown)}: a GGUF {arch} model has no such weights"
+        )
+    missing = sorted(name for name in table if name not in weights.names and not _optional(table[name]))
+    if missing:
+        ours = table[missing[0]] if isinstance(table[missing[0]], str) else ", ".join(table[missing[0]][0])
+        raise GGUFError(
+            f"{path}: missing tensor {_gguf_name(weights.arch, missing[0])} (tformer's {ours})"
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
             + "; the file is incomplete or its block_count metadata is wrong"
         )
-    unexpected = sorted(present - set(names))
-    if unexpected:
-        raise GGUFError(f"{path}: unexpected tensors {unexpected[:5]}: this is not a plain LLaMA model")
+    extra = sorted(set(weights.names) - set(table))
+    if extra:
+        raise GGUFError(
+            f"{path}: unexpected tensors {listed(sorted({weights.gguf_name[n] for n in extra}))}: "
+            f"the {arch} model its metadata describe has no such weights"
+        )
+    for name in table:
+        if name in weights.names and weights.shape(name) != expected[name]:
+            source, _ = weights.sources[name]
+            raise GGUFError(
+                f"{path}: {source.name} has shape {list(source.torch_shape)}, but the metadata imply "
+                f"{list(expected[name])} for Hugging Face's {name}; the file's metadata and tensors disagree"
+            )
+
+
+def _optional(entry: Any) -> bool:
+    return not isinstance(entry, str) and entry[1] is COPY
+
+
+def _gguf_name(arch: Architecture, hf_name: str) -> str:
+    """The GGUF name an HF tensor would have (for messages)."""
+    stem, _, suffix = hf_name.rpartition(".")
+    for short, hf in arch.global_tensors.items():
+        if stem == hf:
+            return f"{short}.{suffix}"
+    if stem.startswith(arch.layer_prefix):
+        layer, _, rest = stem.removeprefix(arch.layer_prefix).partition(".")
+        for short, hf in {**arch.layer_tensors, **arch.experts}.items():
+            if rest == hf or (short in arch.experts and rest.startswith(hf.split("{j}")[0])):
+                return f"blk.{layer}.{short}.{suffix}"
+    return hf_name
 
 
 def from_gguf(
@@ -248,57 +356,61 @@ def from_gguf(
     leave_out: Collection[str] = (),
     dtype: torch.dtype = torch.float32,
 ) -> DecoderLM:
-    """A tformer DecoderLM (in `dtype`, on the CPU, in eval mode) with the weights of a LLaMA GGUF file.
+    """A tformer model (in `dtype`, on the CPU, in eval mode) with the weights of a GGUF file.
 
     The model is built without initializing its weights; each is dequantized straight into place. Parameters
     named in `leave_out` stay on the meta device, for a caller that replaces their modules (`q4_1_linears`).
     """
     reader = reader or open_gguf(path)
-    config = config_from_gguf(reader, path)
-    names = tensor_names(config)
-    _check_tensor_list(reader, names, path)
+    arch, hf_config = hf_config_from_gguf(reader, path)
+    family = hf_family(arch, path)
+    config = _model_config(family, hf_config, path)
     model = build_model(config, initialize=False).to(dtype)  # free on the meta device
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    if set(names.values()) != set(shapes):
-        raise RuntimeError("tformer's LLaMA parameters changed; update tformer.interop.gguf.LAYER_TENSORS")
-    by_name = {t.name: t for t in reader.tensors}
-    state = {
-        ours: _read_weight(reader, by_name[gguf], config, shapes[ours], ours)
-        for gguf, ours in names.items()
-        if ours not in leave_out
+    table = _table(family, config)
+    weights = GGUFTensors(reader, arch, hf_config, dtype)
+    _check_tensors(weights, table, expected_shapes(model, table), path)
+    wanted = {
+        name: entry
+        for name, entry in table.items()
+        if not all(ours in leave_out for ours in ((entry,) if isinstance(entry, str) else entry[0]))
     }
+    state = read_state(weights, wanted, family, model)
     missing, unexpected, mismatched = assign_weights(model, state)
     if set(missing) - set(leave_out) or unexpected or mismatched:
         raise RuntimeError(f"GGUF tensors left {missing} unset, {unexpected} unknown, {mismatched} misshaped")
     return model.eval()
 
 
+def linear_sources(reader: GGUFFile) -> dict[str, tuple[TensorInfo, Transform | None]]:
+    """tformer parameter name -> (GGUF tensor, row transform) of each layer's linear weight that a tformer
+    parameter takes whole (no split, no transpose; llama.cpp's q/k row permutation, which moves whole rows, is
+    the only transform): the weights a quantized layer can take straight from the file's blocks."""
+    arch, hf_config = hf_config_from_gguf(reader, reader.path)
+    family = hf_family(arch, reader.path)
+    table = _table(family, _model_config(family, hf_config, reader.path))
+    weights = GGUFTensors(reader, arch, hf_config, torch.float32)
+    sources = {}
+    for hf_name, entry in table.items():
+        if (
+            not isinstance(entry, str)
+            or hf_name not in weights.names
+            or not weights.gguf_name[hf_name].startswith("blk.")
+        ):
+            continue
+        source, transform = weights.sources[hf_name]
+        if len(source.shape) == 2 and hf_name.endswith(".weight") and transform in (None, *ROW_TRANSFORMS):
+            sources[entry] = (source, None if transform is None else partial(transform, hf=hf_config))
+    return sources
+
+
 def q4_1_linears(reader: GGUFFile) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """tformer parameter name -> (q, scales, minimums) of each layer's linear weight the file stores as Q4_1,
     with llama.cpp's q/k row permutation undone: what an INT4 layer takes without a round trip through float.
     The output head is left out: INT4 serving gives it 8 bits (`tformer.kernels.quantize.quantize`)."""
-    config = config_from_gguf(reader, reader.path)
-    names = tensor_names(config)
     groups = {}
-    for tensor in reader.tensors:
-        if tensor.tensor_type != Q.Q4_1 or not tensor.name.startswith("blk.") or tensor.name not in names:
+    for name, (tensor, transform) in linear_sources(reader).items():
+        if tensor.tensor_type != Q.Q4_1:
             continue
         parts = q4_1_groups(reader.raw(tensor), tensor.torch_shape)
-        heads_field = ROPE_PERMUTED.get(tensor.name.split(".", 2)[-1])
-        if heads_field is not None:
-            parts = tuple(unpermute_rope_rows(part, getattr(config, heads_field)) for part in parts)
-        groups[names[tensor.name]] = parts
+        groups[name] = parts if transform is None else tuple(transform(part) for part in parts)
     return groups
-
-
-def _read_weight(
-    reader: GGUFFile, tensor: TensorInfo, config: ModelConfig, shape: tuple[int, ...], ours: str
-) -> torch.Tensor:
-    if tensor.torch_shape != shape:
-        raise GGUFError(
-            f"{reader.path}: {tensor.name} has shape {list(tensor.torch_shape)}, but the metadata imply "
-            f"{list(shape)} for {ours}; the file's metadata and tensors disagree"
-        )
-    value = dequantize_tensor(reader, tensor)
-    heads_field = ROPE_PERMUTED.get(tensor.name.split(".", 2)[-1]) if tensor.name.startswith("blk.") else None
-    return value if heads_field is None else unpermute_rope_rows(value, getattr(config, heads_field))

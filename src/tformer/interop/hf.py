@@ -30,6 +30,7 @@ from tformer.interop.hf_encoders import BART, BERT_MLM, BERT_MODEL, BERT_SEQUENC
 from tformer.interop.hf_gemma import GEMMA2, GEMMA3
 from tformer.interop.hf_files import WEIGHTS, WEIGHTS_INDEX, Weights, listed, open_weights
 from tformer.interop.hf_longformer import LONGFORMER_MLM, LONGFORMER_MODEL
+from tformer.interop.hf_moe import MIXTRAL, QWEN3_MOE
 from tformer.interop.hf_spec import COPY, SAME, Entry, Family, HFFields, Table, Transform, UnsupportedHFConfig
 from tformer.interop.hf_t5 import T5
 from tformer.models import CheckpointError, TransformerModel, assign_weights, build_model
@@ -51,7 +52,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 NOT_COMPARED = ("dropout", "attn_dropout", "init", "init_std")  # training settings, kept by export where it can
-DERIVED = ("n_kv_heads", "head_dim", "attention")  # fields config.json may leave implicit
+# fields config.json may leave implicit (n_experts: a dense family reads back 0, so it never holds experts)
+DERIVED = ("n_kv_heads", "head_dim", "attention", "n_experts")
 # fields newer families set, which every other family reads back at their defaults (so never holds otherwise)
 DERIVED += (
     "attn_out_bias",
@@ -77,6 +79,8 @@ FAMILIES: dict[str, Family] = {
         PHI3,
         GEMMA2,
         GEMMA3,
+        MIXTRAL,
+        QWEN3_MOE,
         BERT_MLM,
         BERT_MODEL,
         BERT_SEQUENCE,
@@ -98,6 +102,8 @@ MODEL_TYPES: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "bert": "BertForMaskedLM",
     "longformer": "LongformerModel",
     "bart": "BartForConditionalGeneration",
@@ -115,6 +121,8 @@ EXPORTS: dict[str, tuple[str, ...]] = {
         "Gemma2ForCausalLM",
         "Gemma3ForCausalLM",
         "Phi3ForCausalLM",  # after LlamaForCausalLM, which holds the same models: only `architecture` picks it
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
     ),
     "encoder": (
         "BertForMaskedLM",

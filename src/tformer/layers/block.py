@@ -84,10 +84,11 @@ RESIDUALS: dict[str, type[nn.Module]] = {
 class Block(nn.Module):
     """One layer: self-attention, optional cross-attention over encoder memory, and an FFN.
 
-    `stack` ('encoder' or 'decoder') selects DeepNorm's coefficients, which differ per stack.
+    `stack` ('encoder' or 'decoder') selects DeepNorm's coefficients, which differ per stack; `layer` (the block's
+    index from 0) whether its FFN is a mixture of experts (config.moe_dense_layers).
     """
 
-    def __init__(self, config: ModelConfig, stack: str, cross_attention: bool = False) -> None:
+    def __init__(self, config: ModelConfig, stack: str, cross_attention: bool = False, layer: int = 0) -> None:
         super().__init__()
         alpha = config.deepnorm_coefficients(stack)[0] if config.norm_placement == "deepnorm" else 1.0
         residual = RESIDUALS[config.norm_placement]
@@ -95,7 +96,7 @@ class Block(nn.Module):
         self.norm_attn = residual(config, alpha)
         self.cross_attn = Attention(config, cross=True) if cross_attention else None
         self.norm_cross = residual(config, alpha) if cross_attention else None
-        self.ffn = make_ffn(config)
+        self.ffn = make_ffn(config, layer)
         self.norm_ffn = residual(config, alpha)
 
     def forward(

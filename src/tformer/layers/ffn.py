@@ -1,10 +1,13 @@
-"""Position-wise feed-forward networks: the paper's two-layer MLP (ReLU, GELU, SiLU) and the gated (GLU) variants."""
+"""Position-wise feed-forward networks: the paper's two-layer MLP (ReLU, GELU, SiLU), the gated (GLU) variants, and
+a mixture of experts of either kind (Mixtral, Qwen3-MoE)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tformer.config import ModelConfig
@@ -77,6 +80,71 @@ FFNS: dict[str, type[nn.Module]] = {
 }
 
 
-def make_ffn(config: ModelConfig) -> nn.Module:
-    """The feed-forward sublayer the config names."""
+def route_topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the k largest logits (Mixtral; Qwen3-MoE with norm_topk_prob): the top-k probabilities of a
+    softmax over all experts, renormalized to sum to 1, which is the same number."""
+    probs = F.softmax(logits.float(), dim=-1)
+    weights, experts = probs.topk(k, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), experts
+
+
+def route_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k probabilities of a softmax over all experts, as they are (Qwen3-MoE without norm_topk_prob)."""
+    return F.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+
+
+# config.moe_router -> (router logits (N, E), k) -> (weights (N, k) in fp32, expert ids (N, k))
+ROUTERS: dict[str, Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]] = {
+    "topk-softmax": route_topk_softmax,
+    "softmax-topk": route_softmax_topk,
+}
+
+
+class Router(nn.Linear):
+    """The router's projection to one logit per expert. A subclass of nn.Linear so that quantization (which
+    replaces plain nn.Linear layers) keeps it in floating point: its few weights decide every token's experts."""
+
+
+class MixtureOfExperts(nn.Module):
+    """A sparse FFN (Shazeer et al., 2017; Switch, Mixtral): a router scores the n_experts FFNs for each token,
+    the token goes through its top n_experts_per_token of them, and their outputs are summed with the router's
+    weights. Each expert runs once per forward, over the tokens routed to it (gathered, then added back with
+    index_add_): the work is k expert FFNs per token, not n_experts.
+
+    The experts are FFN modules of kind `config.ffn` (nn.Linear inside), so quantization and projection fusion
+    treat each one as they treat a dense FFN. In training the last forward's router logits stay in
+    `router_logits` for the load-balancing loss (`tformer.training.losses.load_balancing_loss`).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.n_experts_per_token
+        self.route = ROUTERS[config.moe_router]
+        self.router = Router(config.d_model, config.n_experts, bias=False)
+        expert = replace(config, d_ff=config.moe_d_ff or config.d_ff, n_experts=0)
+        self.experts = nn.ModuleList(FFNS[config.ffn](expert) for _ in range(config.n_experts))
+        self.router_logits: torch.Tensor | None = None  # (N, n_experts), set by a forward in training mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, d)
+        logits = self.router(x)  # (N, E)
+        self.router_logits = logits if self.training else None
+        weights, experts = self.route(logits, self.top_k)  # (N, k), (N, k)
+        # the N * k (token, expert) pairs grouped by expert: expert e takes the next counts[e] of them
+        order = experts.flatten().argsort(stable=True)
+        counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()
+        tokens, token_weights = (order // self.top_k).split(counts), weights.flatten()[order].split(counts)
+        out = torch.zeros_like(x)
+        for expert, rows, weight in zip(self.experts, tokens, token_weights, strict=True):
+            if rows.numel():
+                out.index_add_(0, rows, (expert(x[rows]) * weight[:, None]).to(out.dtype))
+        return out.reshape(shape)
+
+
+def make_ffn(config: ModelConfig, layer: int = 0) -> nn.Module:
+    """The feed-forward sublayer the config names for layer `layer` (from 0): a mixture of experts when
+    n_experts > 0, except in moe_dense_layers."""
+    if config.n_experts and layer not in (config.moe_dense_layers or []):
+        return MixtureOfExperts(config)
     return FFNS[config.ffn](config)

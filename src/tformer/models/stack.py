@@ -138,7 +138,7 @@ class TransformerStack(nn.Module):
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
         self.embed_norm = make_norm(config) if config.embedding_norm else None
         self.dropout = Dropout(config.dropout)
-        self.layers = nn.ModuleList(Block(config, stack, cross_attention) for _ in range(n_layers))
+        self.layers = nn.ModuleList(Block(config, stack, cross_attention, i) for i in range(n_layers))
         self.final_norm = make_norm(config) if config.final_norm else nn.Identity()
         # T5 with a tied head scales the decoder's output, here so that every caller of lm_head gets it
         self.output_scale = config.d_model**-0.5 if self.causal and config.scale_decoder_output else 1.0

@@ -1,4 +1,5 @@
-"""Training losses: label-smoothed cross-entropy as in the 2017 paper (seed 000, 'Label Smoothing').
+"""Training losses: label-smoothed cross-entropy as in the 2017 paper (seed 000, 'Label Smoothing'), and the
+load-balancing loss of a mixture of experts.
 
 Two implementations of one formula: `label_smoothed_cross_entropy` writes it with torch ops (the reference), and
 `fused_label_smoothed_cross_entropy` computes the loss and its gradient in one pass over row blocks of the logits,
@@ -7,8 +8,13 @@ for training: it never holds fp32 log-probabilities over the whole vocabulary, a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from tformer.layers.ffn import MixtureOfExperts
 
 IGNORE_INDEX = -100
 ROWS_PER_BLOCK = 256  # rows of fp32 logits per block of the fused loss: 4 MB at a 4,000-token vocabulary
@@ -93,3 +99,40 @@ def fused_label_smoothed_cross_entropy(
     flat_target = target.reshape(-1)
     loss_sum = _FusedSmoothedCrossEntropy.apply(flat_logits, flat_target, float(epsilon), ignore_index)
     return loss_sum, (flat_target != ignore_index).sum()
+
+
+def load_balancing_loss(
+    router_logits: Sequence[torch.Tensor], top_k: int, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The Switch Transformer's auxiliary loss, as Mixtral trains with it: n_experts * sum_i f_i * P_i, where f_i
+    is the number of top-k choices of expert i per token and P_i the mean router probability of expert i, both
+    pooled over the tokens of every layer in `router_logits` (each (N, n_experts)). It is k when the load is
+    even and grows as the router favours some experts. `attention_mask` (B, T), with B * T = N, leaves padding
+    out."""
+    logits = torch.cat(list(router_logits)).float()  # (L * N, E)
+    n_experts = logits.shape[-1]
+    probs = F.softmax(logits, dim=-1)
+    chosen = probs.topk(top_k, dim=-1).indices  # (L * N, k)
+    if attention_mask is None:
+        keep = torch.ones(logits.shape[0], device=logits.device)
+    else:
+        keep = attention_mask.reshape(-1).float().repeat(len(router_logits))  # (L * N,)
+    n_real = keep.sum()
+    choices = torch.zeros(n_experts, device=logits.device).scatter_add_(
+        0, chosen.flatten(), keep.repeat_interleave(top_k)
+    )
+    mean_probs = (probs * keep[:, None]).sum(0) / n_real  # P_i
+    return n_experts * (choices / n_real * mean_probs).sum()
+
+
+def moe_aux_loss(model: nn.Module, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The load-balancing loss over the router logits that `model`'s mixtures of experts kept from their last
+    forward in training mode; None for a model without experts. The mask applies only when every layer routed
+    its B * T tokens (a decoder-only batch), else every token counts."""
+    routers = [m for m in model.modules() if isinstance(m, MixtureOfExperts) and m.router_logits is not None]
+    if not routers:
+        return None
+    logits = [m.router_logits for m in routers]
+    if attention_mask is not None and any(x.shape[0] != attention_mask.numel() for x in logits):
+        attention_mask = None
+    return load_balancing_loss(logits, routers[0].top_k, attention_mask)

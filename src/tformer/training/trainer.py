@@ -63,7 +63,7 @@ from tformer.training.evaluate import dev_scores, evaluate_translation, forward_
 from tformer.training.host_memory import keep_freed_memory
 from tformer.training.init_from import load_init_from, vocab_of
 from tformer.training.lora import load_weights, with_lora
-from tformer.training.losses import fused_label_smoothed_cross_entropy, label_smoothed_cross_entropy
+from tformer.training.losses import fused_label_smoothed_cross_entropy, label_smoothed_cross_entropy, moe_aux_loss
 from tformer.training.optim import adamw_cosine, paper_adam
 from tformer.training.precision import TrainingPrecision
 from tformer.training.progress import Progress
@@ -111,6 +111,7 @@ class Trainer:
         self.step, self.cursor, self.best_bleu, self.elapsed = 0, Cursor(), -1.0, 0.0
         self.stop_requested = False
         self.grad_norm = math.nan  # of the last step, before clipping
+        self.aux_loss: float | None = None  # a mixture of experts' load-balancing loss in the last step
         self.spikes = LossSpikes()
         self.saved_step = -1
         self._resume()
@@ -170,14 +171,21 @@ class Trainer:
         local_tokens = sum(int((b.labels != -100).sum()) for b in batches)
         n_tokens = int(self.dist.sum_over_data_parallel([local_tokens])[0])
         dp_size = self.dist.dp_size  # DDP and FSDP average gradients over the dp ranks: scale that back to a sum
-        total = 0.0
+        total, aux_total = 0.0, None if self.model_config.n_experts == 0 else 0.0
         for i, batch in enumerate(batches):
             with gradient_sync(self.module, sync=i == len(batches) - 1):
                 with self.precision.autocast():
                     logits = forward_logits(self.precision.module, batch)
                 loss_sum, _ = fused_label_smoothed_cross_entropy(logits, batch.labels, self.config.label_smoothing)
-                (loss_sum / n_tokens * dp_size).backward()
+                loss = loss_sum / n_tokens * dp_size
+                # a mixture of experts' load-balancing loss: a mean over tokens, so each micro-batch adds its share
+                aux = moe_aux_loss(self.precision.module, getattr(batch, "attention_mask", None))
+                if aux is not None:
+                    loss = loss + self.model_config.router_aux_loss_coef * aux / len(batches)
+                    aux_total += aux.item() / len(batches)
+                loss.backward()
             total += loss_sum.item()
+        self.aux_loss = None if aux_total is None else self.dist.sum_over_data_parallel([aux_total])[0] / dp_size
         self.precision.after_backward()  # bf16 weights: their gradients become the fp32 masters'
         total = self.dist.sum_over_data_parallel([total])[0]
         grad_norm = clip_gradients(
@@ -269,6 +277,7 @@ class Trainer:
                             "loss": mean_loss,
                             "lr": lr,
                             "grad_norm": self.grad_norm,
+                            **({} if self.aux_loss is None else {"aux_loss": self.aux_loss}),
                             "tokens_per_s": rate,
                             "elapsed": self.elapsed,
                         }

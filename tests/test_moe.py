@@ -1,0 +1,260 @@
+"""Mixture-of-experts FFNs (Mixtral, Qwen3-MoE): the routed layer against a dense reference that runs every
+expert on every token, the models against transformers' own with the same weights, the load-balancing loss against
+transformers' `load_balancing_loss_func`, and training, serving and quantization against the float model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_model, tiny_config
+from helpers import LINES, prompts_of_mixed_lengths, reference_greedy
+from safetensors.torch import load_file
+
+from tformer.config import ConfigError, ModelConfig
+from tformer.engine import Engine, EngineConfig, SamplingParams
+from tformer.interop import from_hf, to_hf
+from tformer.kernels.quantize import Int4Linear, Int8Linear, quantize
+from tformer.layers.ffn import ROUTERS, MixtureOfExperts, Router
+from tformer.training.losses import load_balancing_loss, moe_aux_loss
+
+transformers = pytest.importorskip("transformers")
+
+MOE = {"n_experts": 4, "n_experts_per_token": 2, "init": "normal"}
+
+
+def moe_config(**overrides: object) -> ModelConfig:
+    return tiny_config("tiny-llama", vocab_size=96, d_ff=64, **{**MOE, **overrides})
+
+
+def dense_reference(layer: MixtureOfExperts, x: torch.Tensor, router: str) -> torch.Tensor:
+    """Every expert on every token, mixed with the weights the routing formula gives (zero off the top k)."""
+    flat = x.reshape(-1, x.shape[-1])
+    probs = torch.softmax(layer.router(flat).double(), -1)  # (N, E)
+    top = probs.topk(layer.top_k, -1)
+    weights = torch.zeros_like(probs).scatter(-1, top.indices, top.values)
+    if router == "topk-softmax":
+        weights = weights / weights.sum(-1, keepdim=True)
+    outputs = torch.stack([expert(flat).double() for expert in layer.experts], 1)  # (N, E, d)
+    return (weights[..., None] * outputs).sum(1).reshape(x.shape)
+
+
+@pytest.mark.parametrize("router", ["topk-softmax", "softmax-topk"])
+@pytest.mark.parametrize("training", [False, True])
+def test_routed_experts_equal_the_dense_mixture_and_each_runs_once(router: str, training: bool) -> None:
+    config = moe_config(n_experts=5, n_experts_per_token=2, moe_router=router)
+    torch.manual_seed(0)
+    layer = MixtureOfExperts(config).train(training)
+    x = torch.randn(3, 7, config.d_model, requires_grad=True)
+    calls: list[int] = []
+    for expert in layer.experts:
+        expert.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    out = layer(x)
+    assert len(calls) <= config.n_experts and sum(calls) == 21 * 2  # once per expert, over its tokens only
+    torch.testing.assert_close(out.double(), dense_reference(layer, x, router), atol=1e-5, rtol=1e-5)
+    assert (layer.router_logits is not None) == training
+    grad = torch.autograd.grad(out.square().sum(), x)[0]  # the gradient flows through the routing weights too
+    x_ref = x.detach().requires_grad_()
+    expected = torch.autograd.grad(dense_reference(layer, x_ref, router).square().sum(), x_ref)[0]
+    torch.testing.assert_close(grad, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_two_routers_differ_only_by_renormalization() -> None:
+    logits = torch.randn(6, 8)
+    w1, e1 = ROUTERS["topk-softmax"](logits, 3)
+    w2, e2 = ROUTERS["softmax-topk"](logits, 3)
+    assert torch.equal(e1, e2)
+    torch.testing.assert_close(w1, torch.softmax(logits.gather(-1, e1), -1))  # Mixtral: softmax of the top logits
+    torch.testing.assert_close(w1, w2 / w2.sum(-1, keepdim=True))
+
+
+def test_dense_layers_and_bad_configs() -> None:
+    model = make_model(moe_config(moe_dense_layers=[1], moe_d_ff=24))
+    ffns = [layer.ffn for layer in model.decoder.layers]
+    assert isinstance(ffns[0], MixtureOfExperts) and not isinstance(ffns[1], MixtureOfExperts)
+    assert ffns[0].experts[0].up_proj.out_features == 24 and ffns[1].up_proj.out_features == 64
+    with pytest.raises(ConfigError, match="n_experts_per_token <= n_experts"):
+        moe_config(n_experts=2, n_experts_per_token=3)
+    with pytest.raises(ConfigError, match=r"moe_dense_layers \[5\] must be layer indices in \[0, 2\)"):
+        moe_config(moe_dense_layers=[5])
+    with pytest.raises(ConfigError, match="moe_router"):
+        moe_config(moe_router="top1")
+    with pytest.raises(ConfigError, match="use init 'normal'"):
+        moe_config(init="gpt2")
+
+
+# ---- Hugging Face: Mixtral and Qwen3-MoE ---------------------------------------------------------------------------
+
+HF_SIZES = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 128,
+}
+
+
+def hf_mixtral(**overrides: object) -> torch.nn.Module:
+    config = transformers.MixtralConfig(**{**HF_SIZES, "num_local_experts": 4, **overrides})
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(config).eval()
+
+
+def hf_qwen3_moe(**overrides: object) -> torch.nn.Module:
+    sizes = {**HF_SIZES, "num_experts": 4, "moe_intermediate_size": 24, "head_dim": 16, **overrides}
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**sizes)).eval()
+    with torch.no_grad():  # transformers starts q/k norms at 1 and the router at 0: make them matter
+        for name, param in model.named_parameters():
+            if name.endswith(("_norm.weight", "gate.weight")):
+                param.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    return model
+
+
+HF_CASES = {
+    "mixtral": lambda: hf_mixtral(),
+    "mixtral-tied-window": lambda: hf_mixtral(tie_word_embeddings=True, sliding_window=5, num_experts_per_tok=1),
+    "qwen3-moe": lambda: hf_qwen3_moe(),
+    "qwen3-moe-normalized": lambda: hf_qwen3_moe(norm_topk_prob=True, attention_bias=True),
+    "qwen3-moe-dense-layers": lambda: hf_qwen3_moe(mlp_only_layers=[0], decoder_sparse_step=2),
+}
+
+
+@pytest.fixture(params=list(HF_CASES), scope="module")
+def hf_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    hf = HF_CASES[request.param]()
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return hf, from_hf(path), path
+
+
+def test_logits_equal_transformers_and_to_hf_round_trips(hf_pair: tuple, tmp_path) -> None:
+    hf, ours, path = hf_pair
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        torch.testing.assert_close(ours(ids), expected, atol=1e-5, rtol=1e-5)
+    to_hf(ours, tmp_path)
+    written, original = load_file(tmp_path / "model.safetensors"), load_file(path / "model.safetensors")
+    assert written.keys() == original.keys() - ({"lm_head.weight"} if hf.config.tie_word_embeddings else set())
+    assert all(torch.equal(written[name], original[name]) for name in written)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == [type(hf).__name__]
+    again = type(hf).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_layers_are_where_transformers_has_them(hf_pair: tuple) -> None:
+    hf, ours, _ = hf_pair
+    theirs = [
+        type(layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe).__name__ for layer in hf.model.layers
+    ]
+    mine = [isinstance(layer.ffn, MixtureOfExperts) for layer in ours.decoder.layers]
+    assert mine == ["Sparse" in name for name in theirs]
+
+
+def test_engine_greedy_equals_uncached_forward_and_transformers_generate(hf_pair: tuple) -> None:
+    """Continuous batching over paged KV, prompts of mixed lengths, prefill chunked to mix prompt and decode rows."""
+    hf, ours, _ = hf_pair
+    prompts = prompts_of_mixed_lengths(96)
+    engine = Engine(ours, config=EngineConfig(block_size=4, num_blocks=64, max_batched_tokens=16))
+    results = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == reference_greedy(ours, prompt, 8)
+        with torch.no_grad():
+            generated = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        assert result.token_ids == generated[0, len(prompt) :].tolist()
+
+
+# ---- training: the load-balancing loss ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_load_balancing_loss_equals_transformers(masked: bool) -> None:
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    generator = torch.Generator().manual_seed(0)
+    logits = tuple(torch.randn(3 * 5, 6, generator=generator) * 2 for _ in range(4))  # 4 layers, B=3, T=5
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [1, 1, 0, 0, 0]]) if masked else None
+    expected = load_balancing_loss_func(logits, 6, 2, mask)
+    torch.testing.assert_close(load_balancing_loss(logits, 2, mask), expected)
+    # the formula itself: n_experts * sum_i f_i P_i over all layers' real tokens
+    keep = torch.ones(15) if mask is None else mask.reshape(-1).float()
+    probs = torch.softmax(torch.cat(logits), -1)
+    chosen = torch.zeros_like(probs).scatter(-1, probs.topk(2, -1).indices, 1.0)
+    rows = keep.repeat(4)[:, None]
+    f, p = (chosen * rows).sum(0) / rows.sum(), (probs * rows).sum(0) / rows.sum()
+    torch.testing.assert_close(load_balancing_loss(logits, 2, mask), 6 * (f * p).sum())
+
+
+def test_model_aux_loss_equals_transformers_on_the_same_weights(tmp_path) -> None:
+    hf = hf_mixtral(output_router_logits=True, router_aux_loss_coef=0.02)
+    hf.save_pretrained(tmp_path)
+    ours = from_hf(tmp_path).train()
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    hf.train()
+    expected = hf(ids, attention_mask=mask, labels=ids)
+    ours(ids, mask)
+    torch.testing.assert_close(moe_aux_loss(ours, mask), expected.aux_loss, atol=1e-6, rtol=1e-5)
+    assert ours.config.router_aux_loss_coef == 0.02
+
+
+def test_a_tiny_moe_model_trains_and_logs_its_aux_loss(tmp_path) -> None:
+    from tformer.training.config import TrainConfig
+    from tformer.training.trainer import Trainer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    train = TrainConfig(
+        corpus=str(corpus),
+        objective="clm",
+        vocab_size=300,
+        max_len=32,
+        max_tokens=256,
+        max_steps=12,
+        log_every=1,
+        save_every=1000,
+        eval_every=1000,
+        optimizer="adamw-cosine",
+        lr=3e-3,
+        warmup=2,
+        label_smoothing=0.0,
+        out_dir=str(tmp_path / "run"),
+    )
+    trainer = Trainer(moe_config(router_aux_loss_coef=0.1), train)
+    trainer.fit()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert steps[-1]["loss"] < 0.9 * steps[0]["loss"]
+    assert all(1.0 <= r["aux_loss"] <= 4.0 for r in steps)  # k = 2 when balanced, n_experts * k at worst
+    routers = [m.router.weight for m in trainer.model.modules() if isinstance(m, MixtureOfExperts)]
+    assert routers and all(w.grad is not None for w in routers)  # the router learns (from both losses)
+
+
+# ---- quantization ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_experts_serve_like_their_uncached_forward(mode: str) -> None:
+    float_model = make_model(moe_config())
+    model = quantize(make_model(moe_config()), mode, group_size=32)
+    experts = [e for m in model.modules() if isinstance(m, MixtureOfExperts) for e in m.experts]
+    kind = Int8Linear if mode == "int8" else Int4Linear
+    assert all(isinstance(getattr(e, name), kind) for e in experts for name in ("gate_proj", "up_proj", "down_proj"))
+    assert all(type(m.router) is Router for m in model.modules() if isinstance(m, MixtureOfExperts))  # stays float
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        distance = (torch.softmax(model(ids), -1) - torch.softmax(float_model(ids), -1)).abs().sum(-1).max()
+    assert distance < (0.30 if mode == "int8" else 0.20)  # test_quantize's budgets for the dense tiny-llama
+    prompts = [[5, 6, 7, 8, 9], [3, 4], list(range(1, 18))]
+    results = Engine(model, config=EngineConfig(block_size=4, num_blocks=32)).generate(
+        prompts, SamplingParams(max_tokens=8, temperature=0.0)
+    )
+    assert [r.token_ids for r in results] == [reference_greedy(model, p, 8) for p in prompts]
