@@ -333,3 +333,36 @@ def test_bad_family_fields_are_refused(fields: dict[str, Any], message: str) -> 
     base = dict(family="decoder", vocab_size=64, d_model=32, n_decoder_layers=2, n_heads=4, position="rope")
     with pytest.raises(ConfigError, match=message):
         ModelConfig(**base, **fields)
+
+
+# ---- presets of the released models ---------------------------------------------------------------------------------
+
+RELEASED_COUNTS = {  # parameters of the released checkpoints (their safetensors headers)
+    "llama3.2-1b": 1_235_814_400,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen3-0.6b": 596_049_920,
+    "gemma2-2b": 2_614_341_888,
+    "phi3-mini": 3_821_079_552,
+}
+
+
+@pytest.mark.parametrize(("name", "count"), RELEASED_COUNTS.items())
+def test_family_presets_have_the_released_parameter_counts(name: str, count: int) -> None:
+    with torch.device("meta"):
+        model = build_model(ModelConfig.from_preset(name))
+    assert model.num_parameters() == count
+
+
+@pytest.mark.parametrize(
+    ("name", "case"),
+    [("llama3.2-1b", "llama3"), ("qwen2.5-0.5b", "qwen2"), ("qwen3-0.6b", "qwen3"), ("gemma2-2b", "gemma2")],
+)
+def test_family_presets_hold_what_from_hf_reads(name: str, case: str, saved) -> None:
+    """Each preset sets the variant fields a checkpoint of its family gets from from_hf (sizes, tying and eps
+    aside), and its layers alternate windows the same way."""
+    preset, loaded = ModelConfig.from_preset(name), from_hf(saved(case)[1]).config
+    variant = ("norm", "norm_placement", "ffn", "ffn_bias", "position", "rope_scaling", "attn_bias", "attn_out_bias")
+    variant += ("qk_norm", "scale_embeddings", "round_embed_scale")
+    assert {k: getattr(preset, k) for k in variant} == {k: getattr(loaded, k) for k in variant}
+    n = loaded.n_decoder_layers
+    assert [w is None for w in preset.layer_windows()[:n]] == [w is None for w in loaded.layer_windows()]
