@@ -17,6 +17,7 @@ import typing
 from collections.abc import Callable
 
 from tformer.commands.inspect import info, presets, viz
+from tformer.commands.qa import qa
 from tformer.commands.serving import bench, convert, embed, generate, serve
 from tformer.commands.training import average, estimate, evaluate, train, translate
 from tformer.errors import TformerError
@@ -27,6 +28,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "translate": translate,
     "generate": generate,
     "embed": embed,
+    "qa": qa,
     "convert": convert,
     "serve": serve,
     "average": average,
@@ -106,11 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     except TformerError as err:
         print(f"tformer: error: {err}", file=sys.stderr)
         code = 2
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # A rank of a multi-process run leaves without the interpreter's teardown: there gloo's threads can
     # What is alive now dies with the process: frozen, it is left out of the interpreter's last collections, which
     # otherwise walk every object torch created (a few tenths of a second at each exit).
     gc.freeze()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A rank of a multi-process run leaves without the interpreter's teardown: there gloo's threads can
         # abort the process ("terminate called without an active exception", exit -6) after a peer has died
         # or hung, or even after a clean run, and the launcher would see a crash instead of this exit code.
         sys.stdout.flush()

@@ -27,7 +27,7 @@ LAYER_TYPES = {"sliding": "the last sliding_window keys", "full": "every earlier
 INIT_NAMES = ("xavier", "gpt2", "normal")
 # how a mixture of experts turns router logits into the top-k experts' weights (layers/ffn.py, ROUTERS)
 MOE_ROUTER_NAMES = ("topk-softmax", "softmax-topk")
-ENCODER_HEAD_NAMES = ("mlm", "none", "sequence-classification", "token-classification")
+ENCODER_HEAD_NAMES = ("mlm", "none", "sequence-classification", "token-classification", "question-answering")
 # the encoder heads that take num_labels (a frozenset, not a tuple: test_registries pairs every name tuple)
 CLASSIFICATION_HEADS = frozenset({"sequence-classification", "token-classification"})
 
@@ -52,6 +52,8 @@ class ModelConfig(ConfigBase):
     d_ff: int = 2048
     max_seq_len: int = 1024
     type_vocab_size: int = 0  # BERT's segment embeddings; 0 disables them
+    # position 'learned': position p reads row p + position_offset of the table (RoBERTa: pad_token_id + 1)
+    position_offset: int = 0
     pad_token_id: int = 0
 
     # dropout: on embeddings + positions and each sublayer output; on attention probabilities
@@ -75,6 +77,7 @@ class ModelConfig(ConfigBase):
     rope_local_theta: float | None = None  # the RoPE base of "sliding" layers (Gemma 3); None: rope_theta
     relative_attention_buckets: int = 32  # position 't5': buckets of relative distance, each a learned bias per head
     relative_attention_max_distance: int = 128  # position 't5': distances from here on share the last bucket
+    relative_attention_per_layer: bool = False  # position 't5': a bucket table in every layer (umT5), not one a stack
 
     # sublayers
     ffn: str = "relu"
@@ -226,6 +229,16 @@ class ModelConfig(ConfigBase):
         self._check_relative_buckets()
         self._check_layer_types()
         self._check_experts()
+        if self.relative_attention_per_layer and self.position != "t5":
+            raise ConfigError(
+                f"relative_attention_per_layer gives each layer its own T5 bucket table, so it needs position 't5', "
+                f"got '{self.position}'; remove relative_attention_per_layer"
+            )
+        if self.position_offset < 0 or (self.position_offset and self.position != "learned"):
+            raise ConfigError(
+                f"position_offset ({self.position_offset}) skips rows of a learned position table, so it must be "
+                f"at least 0 and needs position 'learned' (got '{self.position}'); remove position_offset"
+            )
 
     def _check_experts(self) -> None:
         check_choice("moe_router", self.moe_router, MOE_ROUTER_NAMES)

@@ -26,13 +26,25 @@ from safetensors.torch import save_file
 from tformer.config import ConfigError, ModelConfig
 from tformer.files import read_mapping, write_atomically
 from tformer.interop.hf_decoders import GPT2, GPT2_BARE, LLAMA, MISTRAL, PHI3, QWEN2, QWEN3
-from tformer.interop.hf_encoders import BART, BERT_MLM, BERT_MODEL, BERT_SEQUENCE, BERT_TOKEN, MARIAN
-from tformer.interop.hf_gemma import GEMMA2, GEMMA3
+from tformer.interop.hf_encoders import (
+    BART,
+    BERT_MLM,
+    BERT_MODEL,
+    BERT_QA,
+    BERT_SEQUENCE,
+    BERT_TOKEN,
+    MARIAN,
+    ROBERTA_MLM,
+    ROBERTA_MODEL,
+    ROBERTA_QA,
+    ROBERTA_SEQUENCE,
+)
 from tformer.interop.hf_files import WEIGHTS, WEIGHTS_INDEX, Weights, listed, open_weights
+from tformer.interop.hf_gemma import GEMMA2, GEMMA3
 from tformer.interop.hf_longformer import LONGFORMER_MLM, LONGFORMER_MODEL
 from tformer.interop.hf_moe import MIXTRAL, QWEN3_MOE
 from tformer.interop.hf_spec import COPY, SAME, Entry, Family, HFFields, Table, Transform, UnsupportedHFConfig
-from tformer.interop.hf_t5 import T5
+from tformer.interop.hf_t5 import MT5, T5, UMT5
 from tformer.models import CheckpointError, TransformerModel, assign_weights, build_model
 
 CONFIG_JSON = "config.json"
@@ -66,7 +78,6 @@ DERIVED += (
     "round_embed_scale",
 )
 
-
 FAMILIES: dict[str, Family] = {
     family.architecture: family
     for family in (
@@ -85,11 +96,18 @@ FAMILIES: dict[str, Family] = {
         BERT_MODEL,
         BERT_SEQUENCE,
         BERT_TOKEN,
+        BERT_QA,
+        ROBERTA_MLM,
+        ROBERTA_MODEL,
+        ROBERTA_SEQUENCE,
+        ROBERTA_QA,
         LONGFORMER_MLM,
         LONGFORMER_MODEL,
         BART,
         MARIAN,
         T5,
+        MT5,
+        UMT5,
     )
 }
 # the architecture read when config.json names only a model_type
@@ -105,10 +123,13 @@ MODEL_TYPES: dict[str, str] = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "bert": "BertForMaskedLM",
+    "roberta": "RobertaForMaskedLM",
     "longformer": "LongformerModel",
     "bart": "BartForConditionalGeneration",
     "marian": "MarianMTModel",
     "t5": "T5ForConditionalGeneration",
+    "mt5": "MT5ForConditionalGeneration",
+    "umt5": "UMT5ForConditionalGeneration",
 }
 # what `to_hf` tries, in order, for each tformer family: the first that holds the config exactly is written
 EXPORTS: dict[str, tuple[str, ...]] = {
@@ -129,10 +150,21 @@ EXPORTS: dict[str, tuple[str, ...]] = {
         "BertModel",
         "BertForSequenceClassification",
         "BertForTokenClassification",
+        "BertForQuestionAnswering",
+        "RobertaForMaskedLM",
+        "RobertaModel",
+        "RobertaForSequenceClassification",
+        "RobertaForQuestionAnswering",
         "LongformerForMaskedLM",
         "LongformerModel",
     ),
-    "encoder-decoder": ("BartForConditionalGeneration", "MarianMTModel", "T5ForConditionalGeneration"),
+    "encoder-decoder": (
+        "BartForConditionalGeneration",
+        "MarianMTModel",
+        "T5ForConditionalGeneration",
+        "MT5ForConditionalGeneration",  # T5 v1.1's layout: written when asked for by name
+        "UMT5ForConditionalGeneration",
+    ),
 }
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face families with an encoder, as data: BERT, BART and Marian (see `hf_spec`)."""
+"""Hugging Face families with an encoder, as data: BERT, RoBERTa, BART and Marian (see `hf_spec`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from tformer.interop.hf_spec import (
     Family,
     HFFields,
     Table,
+    UnsupportedHFConfig,
     lookup,
     per_layer,
     same_value,
@@ -34,6 +35,7 @@ BERT_FIXED = {
     "attn_bias": True,
     "ffn_bias": True,
     "init": "normal",
+    "position_offset": 0,
 }
 BERT_RENAMES = {
     "vocab_size": "vocab_size",
@@ -194,6 +196,154 @@ def _bert_classifier(architecture: str, head: str, table: Table) -> Family:
 
 BERT_SEQUENCE = _bert_classifier("BertForSequenceClassification", "sequence-classification", BERT_SEQUENCE_HEAD)
 BERT_TOKEN = _bert_classifier("BertForTokenClassification", "token-classification", BERT_TOKEN_HEAD)
+
+# BertForQuestionAnswering: the base model under bert. (no pooler), qa_outputs giving start and end logits
+QA_HEAD: Table = weight_bias("qa_outputs", "task_head.span")
+
+
+def _qa_in(hf: HFFields) -> dict[str, Any]:
+    if hf.get("num_labels", 2) != 2 or len(hf.get("id2label") or {0: 0, 1: 1}) != 2:
+        raise UnsupportedHFConfig("a question-answering head has 2 outputs (start and end logits); set num_labels 2")
+    return {}
+
+
+BERT_QA = Family(
+    "BertForQuestionAnswering",
+    "bert",
+    {**BERT_FIXED, "encoder_head": "question-answering"},
+    BERT_RENAMES,
+    BERT_DEFAULTS,
+    lambda hf: {**_bert_in(hf), **_qa_in(hf)},
+    _bert_out,
+    lambda config: (_bert_base(config), QA_HEAD),
+    prefixes=("bert.",),
+    required=BERT_REQUIRED,
+    ignored=BERT_IGNORED,
+    loose=("n_decoder_layers",),
+)
+
+# ---- RoBERTa --------------------------------------------------------------------------------------------------------
+# BERT's layers and names under roberta., with fairseq's positions: real token p reads row p + pad_token_id + 1 of
+# the position table (transformers' create_position_ids_from_input_ids), so tformer keeps the whole table and reads
+# it with position_offset pad_token_id + 1. Positions in transformers count the tokens that differ from
+# pad_token_id; tformer counts those its attention_mask marks real: the same on every real token when padding is
+# pad_token_id and masked. The MLM head applies GELU whatever hidden_act says.
+
+ROBERTA_RENAMES = {ours: theirs for ours, theirs in BERT_RENAMES.items() if ours != "max_seq_len"}
+ROBERTA_DEFAULTS = {**BERT_DEFAULTS, "pad_token_id": 1}
+ROBERTA_MLM_HEAD: Table = {
+    **weight_bias("lm_head.dense", "mlm_head.dense"),
+    **weight_bias("lm_head.layer_norm", "mlm_head.norm"),
+    "lm_head.bias": "mlm_head.lm_head.bias",
+}
+ROBERTA_MLM_UNTIED: Table = {  # as BERT's: untied, transformers 5 keeps lm_head.bias as an unused copy
+    "lm_head.decoder.weight": "mlm_head.lm_head.weight",
+    "lm_head.decoder.bias": "mlm_head.lm_head.bias",
+    "lm_head.bias": (("mlm_head.lm_head.bias",), COPY),
+}
+ROBERTA_SEQUENCE_HEAD: Table = {  # RobertaClassificationHead: dense and tanh on <s>, then out_proj (no pooler)
+    **weight_bias("classifier.dense", "task_head.pooler"),
+    **weight_bias("classifier.out_proj", "task_head.classifier"),
+}
+
+
+def _roberta_in(hf: HFFields) -> dict[str, Any]:
+    pad = hf["pad_token_id"]
+    if not isinstance(pad, int) or pad < 0:
+        raise UnsupportedHFConfig(f"pad_token_id {pad!r}: RoBERTa numbers positions from it, so it must be an id")
+    offset = pad + 1
+    if hf["max_position_embeddings"] <= offset:
+        raise UnsupportedHFConfig(
+            f"max_position_embeddings ({hf['max_position_embeddings']}) leaves no position after the "
+            f"pad_token_id + 1 = {offset} rows RoBERTa skips"
+        )
+    return {
+        **_bert_in(hf),
+        "pad_token_id": pad,
+        "position_offset": offset,
+        "max_seq_len": hf["max_position_embeddings"] - offset,
+    }
+
+
+def _roberta_out(config: ModelConfig) -> dict[str, Any]:
+    return {**_bert_out(config), "max_position_embeddings": config.max_seq_len + config.position_offset}
+
+
+def _roberta_mlm_in(hf: HFFields) -> dict[str, Any]:
+    if hf["hidden_act"] != "gelu":
+        raise UnsupportedHFConfig(
+            f"hidden_act {hf['hidden_act']!r}: RoBERTa's masked-LM head applies GELU whatever hidden_act says, and "
+            "tformer's applies the FFN's activation; only 'gelu' gives both the same"
+        )
+    return _roberta_in(hf)
+
+
+def _roberta_mlm_tensors(config: ModelConfig) -> tuple[Table, Table]:
+    return _bert_base(config), {**ROBERTA_MLM_HEAD, **({} if config.tie_embeddings else ROBERTA_MLM_UNTIED)}
+
+
+def _roberta(
+    architecture: str,
+    head: str,
+    extra_in: Any,
+    extra_out: Any,
+    tensors: Any,
+    prefixes: tuple[str, ...] = ("roberta.",),
+    renames: dict[str, str] = ROBERTA_RENAMES,
+    dropped: tuple[str, ...] = (),
+    fixed: dict[str, Any] | None = None,
+) -> Family:
+    return Family(
+        architecture,
+        "roberta",
+        {**BERT_FIXED, "encoder_head": head, **(fixed or {})},
+        renames,
+        ROBERTA_DEFAULTS,
+        extra_in,
+        extra_out,
+        tensors,
+        prefixes=prefixes,
+        required=BERT_REQUIRED,
+        ignored=BERT_IGNORED,
+        dropped=dropped,
+        dropped_note=POOLER_NOTE,
+        loose=("n_decoder_layers",),
+    )
+
+
+ROBERTA_MLM = _roberta(
+    "RobertaForMaskedLM",
+    "mlm",
+    _roberta_mlm_in,
+    _roberta_out,
+    _roberta_mlm_tensors,
+    prefixes=("roberta.", ""),
+    renames={**ROBERTA_RENAMES, "tie_embeddings": "tie_word_embeddings"},
+    fixed={"lm_head_bias": True},
+)
+ROBERTA_MODEL = _roberta(
+    "RobertaModel",
+    "none",
+    _roberta_in,
+    _roberta_out,
+    lambda config: (_bert_base(config), {}),
+    prefixes=("", "roberta."),
+    dropped=("*pooler.dense.*",),
+)
+ROBERTA_SEQUENCE = _roberta(
+    "RobertaForSequenceClassification",
+    "sequence-classification",
+    lambda hf: {**_roberta_in(hf), **_labels_in(hf)},
+    lambda config: {**_roberta_out(config), **_labels_out(config)},
+    lambda config: (_bert_base(config), ROBERTA_SEQUENCE_HEAD),
+)
+ROBERTA_QA = _roberta(
+    "RobertaForQuestionAnswering",
+    "question-answering",
+    lambda hf: {**_roberta_in(hf), **_qa_in(hf)},
+    _roberta_out,
+    lambda config: (_bert_base(config), QA_HEAD),
+)
 
 # ---- BART and Marian ------------------------------------------------------------------------------------------------
 

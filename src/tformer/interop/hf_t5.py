@@ -1,4 +1,5 @@
-"""T5 (`T5ForConditionalGeneration`, the original layout and v1.1) as a Hugging Face family (see `hf_spec`).
+"""T5 (`T5ForConditionalGeneration`, the original layout and v1.1), mT5 and umT5 as Hugging Face families (see
+`hf_spec`).
 
 T5 is tformer's encoder-decoder with position 't5' (a relative bias table per stack, in its first layer's
 self-attention in the checkpoint), RMSNorm without bias, pre-norm, no biases anywhere, unscaled attention scores,
@@ -34,6 +35,7 @@ T5_FIXED = {
     "type_vocab_size": 0,
     "sliding_window": None,
     "init": "normal",
+    "relative_attention_per_layer": False,
 }
 T5_RENAMES = {
     "vocab_size": "vocab_size",
@@ -95,7 +97,7 @@ def _ffn(config: ModelConfig, theirs: str) -> Table:
     return {f"{theirs}.{t}.weight": f"ffn.{o}.weight" for t, o in names.items()}
 
 
-def _t5_tensors(config: ModelConfig) -> tuple[Table, Table]:
+def _t5_tensors(config: ModelConfig, relative_biases: Table | None = None) -> tuple[Table, Table]:
     encoder_layer = {
         **_attention("layer.0.SelfAttention", "self_attn"),
         "layer.0.layer_norm.weight": "norm_attn.norm.weight",
@@ -111,10 +113,14 @@ def _t5_tensors(config: ModelConfig) -> tuple[Table, Table]:
         "layer.2.layer_norm.weight": "norm_ffn.norm.weight",
     }
     bias = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"  # the first layer holds the stack's table
+    if relative_biases is None:
+        relative_biases = {
+            f"encoder.{bias}": "encoder.positions.relative_bias.embedding.weight",
+            f"decoder.{bias}": "decoder.positions.relative_bias.embedding.weight",
+        }
     base = {
         "shared.weight": "encoder.tokens.weight",
-        f"encoder.{bias}": "encoder.positions.relative_bias.embedding.weight",
-        f"decoder.{bias}": "decoder.positions.relative_bias.embedding.weight",
+        **relative_biases,
         **per_layer(encoder_layer, config.n_encoder_layers, "encoder.block.{i}.", "encoder.layers.{i}."),
         **per_layer(decoder_layer, config.n_decoder_layers, "decoder.block.{i}.", "decoder.layers.{i}."),
         "encoder.final_layer_norm.weight": "encoder.final_norm.weight",
@@ -171,5 +177,70 @@ T5 = Family(
         "decoder.embed_tokens.weight",
         "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",
     ),
+    complete_config=_head_from_weights,
+)
+
+
+# ---- mT5 and umT5 ---------------------------------------------------------------------------------------------------
+# mT5 is T5 v1.1 with a larger vocabulary: the same tensors; transformers 5 never scales its decoder output. It
+# holds exactly what a T5ForConditionalGeneration holds, so to_hf writes it as one unless asked for
+# architecture="MT5ForConditionalGeneration". umT5 gives every layer
+# its own relative bias table (relative_attention_per_layer), in each layer's self-attention.
+
+
+def _mt5_in(hf: HFFields) -> dict[str, Any]:
+    return {**_t5_in(hf), "scale_decoder_output": False}
+
+
+def _mt5_out(config: ModelConfig) -> dict[str, Any]:
+    fields = _t5_out(config)
+    del fields["scale_decoder_outputs"]
+    return fields
+
+
+def _umt5_tensors(config: ModelConfig) -> tuple[Table, Table]:
+    bias = "layer.0.SelfAttention.relative_attention_bias.weight"
+    stacks = (("encoder", config.n_encoder_layers), ("decoder", config.n_decoder_layers))
+    tables = {
+        f"{stack}.block.{i}.{bias}": f"{stack}.positions.relative_biases.{i}.embedding.weight"
+        for stack, n_layers in stacks
+        for i in range(n_layers)
+    }
+    return _t5_tensors(config, tables)
+
+
+MT5 = Family(
+    "MT5ForConditionalGeneration",
+    "mt5",
+    {**T5_FIXED, "scale_decoder_output": False},
+    T5_RENAMES,
+    {
+        **T5_DEFAULTS,
+        "vocab_size": 250112,
+        "d_ff": 1024,
+        "num_layers": 8,
+        "num_heads": 6,
+        "feed_forward_proj": "gated-gelu",
+    },
+    _mt5_in,
+    _mt5_out,
+    _t5_tensors,
+    prefixes=("",),
+    required={"is_decoder": False},
+    ignored=T5.ignored,
+    complete_config=_head_from_weights,
+)
+UMT5 = Family(
+    "UMT5ForConditionalGeneration",
+    "umt5",
+    {**T5_FIXED, "relative_attention_per_layer": True},
+    T5_RENAMES,
+    MT5.defaults,
+    _t5_in,
+    _t5_out,
+    _umt5_tensors,
+    prefixes=("",),
+    required={"is_decoder": False},
+    ignored=("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"),
     complete_config=_head_from_weights,
 )

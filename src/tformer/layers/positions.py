@@ -37,6 +37,10 @@ class PositionScheme(nn.Module):
     def attention_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         return None
 
+    def layer_attention_bias(self, layer: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """The bias function layer `layer` adds to its scores: the scheme's one for every layer, or None."""
+        return self.attention_bias if self.has_attention_bias else None
+
     @property
     def has_attention_bias(self) -> bool:
         """Whether `attention_bias` adds anything (the scheme overrides it)."""
@@ -87,21 +91,26 @@ class SinusoidalPositions(PositionScheme):
 
 
 class LearnedPositions(PositionScheme):
-    """One trained vector per absolute position (GPT-2, BERT): none exists past max_seq_len."""
+    """One trained vector per absolute position (GPT-2, BERT): none exists past max_seq_len.
+
+    RoBERTa's table starts with `position_offset` rows that no real token reads (fairseq numbers positions from
+    pad_token_id + 1), so position p reads row p + position_offset.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embedding = nn.Embedding(config.max_seq_len, config.d_model)
+        self.offset = config.position_offset
+        self.embedding = nn.Embedding(config.max_seq_len + self.offset, config.d_model)
 
     def embed(self, positions: torch.Tensor) -> torch.Tensor:
-        last, limit = _last_position(positions), self.embedding.num_embeddings
+        last, limit = _last_position(positions), self.embedding.num_embeddings - self.offset
         if last >= limit:
             raise RequestError(
                 f"position {last} is past this model's learned positions (max_seq_len {limit}): learned positions "
                 f"have no vector there; give at most {limit} tokens, or use a model with position 'sinusoidal', "
                 f"'rope' or 'alibi', which extend past the training length"
             )
-        return self.embedding(positions)
+        return self.embedding(positions + self.offset if self.offset else positions)
 
 
 def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
@@ -235,6 +244,24 @@ class RelativeBucketPositions(PositionScheme):
         return self.relative_bias(q_pos, k_pos)  # (B|1, H, Tq, Tk)
 
 
+class LayerRelativeBucketPositions(PositionScheme):
+    """umT5: T5's buckets with a table of its own in every layer, where T5 shares its first layer's in the stack."""
+
+    def __init__(self, config: ModelConfig, causal: bool = False) -> None:
+        super().__init__()
+        n_layers = config.n_decoder_layers if causal else config.n_encoder_layers
+        buckets, distance = config.relative_attention_buckets, config.relative_attention_max_distance
+        self.relative_biases = nn.ModuleList(
+            RelativePositionBias(config.n_heads, buckets, distance, not causal) for _ in range(n_layers)
+        )
+
+    def attention_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        return self.relative_biases[0](q_pos, k_pos)  # the first layer's (B|1, H, Tq, Tk), as plots show it
+
+    def layer_attention_bias(self, layer: int) -> RelativePositionBias:
+        return self.relative_biases[layer]
+
+
 POSITIONS: dict[str, type[PositionScheme]] = {
     "sinusoidal": SinusoidalPositions,
     "learned": LearnedPositions,
@@ -258,5 +285,6 @@ def make_positions(config: ModelConfig, causal: bool = False) -> PositionScheme:
     Only T5's buckets depend on the direction, so only they are told it.
     """
     if config.position == "t5":
-        return RelativeBucketPositions(config, causal)
+        scheme = LayerRelativeBucketPositions if config.relative_attention_per_layer else RelativeBucketPositions
+        return scheme(config, causal)
     return POSITIONS[config.position](config)

@@ -181,8 +181,10 @@ class TransformerStack(nn.Module):
         inputs = StackInputs.from_prefix(tokens) if inputs is None else inputs
         x = self.embed(tokens, inputs.positions, token_types)
         dtype, device, n_queries = compute_dtype(x), x.device, tokens.shape[1]
-        masks = {  # one mask per distinct layer window, each built once a forward
-            window: build_mask(
+        # each layer's (window, position bias): umT5 gives every layer a bias table of its own
+        rules = [(window, self.positions.layer_attention_bias(i)) for i, window in enumerate(self.windows)]
+        masks = {  # one mask per distinct rule, each built once a forward
+            (window, bias): build_mask(
                 n_queries=n_queries,
                 n_keys=inputs.n_keys,
                 causal=self.causal,
@@ -190,14 +192,14 @@ class TransformerStack(nn.Module):
                 device=device,
                 key_padding=inputs.key_padding,
                 window=window,
-                position_bias=self.positions.attention_bias if self.positions.has_attention_bias else None,
+                position_bias=bias,
                 query_positions=inputs.positions,
                 key_positions=inputs.key_positions,
                 query_slots=inputs.query_slots,
                 prefix_lengths=prefix_lengths,
                 global_tokens=global_tokens,
             )
-            for window in dict.fromkeys(self.windows)
+            for window, bias in dict.fromkeys(rules)
         }
         rotary = inputs.rotary if inputs.rotary is not None else self.positions.rotary(inputs.positions)
         local_rotary = rotary if self.local_positions is None else self.local_positions.rotary(inputs.positions)
@@ -217,7 +219,7 @@ class TransformerStack(nn.Module):
             window = self.windows[i]
             layer_rotary = rotary if window is None else local_rotary
             x = self._run_layer(
-                layer, x, masks[window], layer_rotary, memory, memory_mask, layer_cache, inputs.cache_slots
+                layer, x, masks[rules[i]], layer_rotary, memory, memory_mask, layer_cache, inputs.cache_slots
             )
         x = self.final_norm(x)
         return x if self.output_scale == 1.0 else x * self.output_scale
