@@ -15,7 +15,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "tformer"
 
 BASE = {"errors", "files"}
-CONFIG = BASE | {"config_base", "config", "presets"}
+CONFIG = BASE | {"config", "presets"}
 LAYERS = CONFIG | {"layers"}
 MODELS = LAYERS | {"models"}
 # weights in and out, data and the kernels stand on the models; the door to checkpoints on interop and data
@@ -29,7 +29,6 @@ ENGINE = DECODING | {"kernels", "engine"}
 ALLOWED: dict[str, set[str]] = {
     "errors": {"errors"},
     "files": BASE,
-    "config_base": BASE | {"config_base"},
     "presets": BASE | {"presets"},
     "config": CONFIG,
     "layers": LAYERS,

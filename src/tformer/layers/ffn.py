@@ -137,9 +137,7 @@ class MixtureOfExperts(nn.Module):
         tokens, token_weights = (order // self.top_k).split(counts), weights.flatten()[order].split(counts)
         out = torch.zeros_like(x)
         for expert, rows, weight in zip(self.experts, tokens, token_weights, strict=True):
-            # in training an idle expert still runs (on no rows) so that its gradients are zeros, not missing:
-            # DistributedDataParallel expects a gradient for every parameter in every step
-            if rows.numel() or self.training:
+            if rows.numel():
                 out.index_add_(0, rows, (expert(x[rows]) * weight[:, None]).to(out.dtype))
         return out.reshape(shape)
 
