@@ -1,7 +1,7 @@
-"""RoBERTa against `transformers`' RobertaModel, RobertaForMaskedLM and RobertaForSequenceClassification with the same
-random weights, through from_hf and to_hf: hidden states and logits on batches padded with pad_token_id on either
-side (transformers numbers positions from pad_token_id + 1, tformer reads its table at position_offset), and the
-checkpoint's tensors written back bit for bit.
+"""RoBERTa against `transformers`' RobertaModel, RobertaForMaskedLM, RobertaFor{Sequence,Token}Classification with
+the same random weights, through from_hf and to_hf: hidden states and logits on batches padded with pad_token_id on
+either side (transformers numbers positions from pad_token_id + 1, tformer reads its table at position_offset), and
+the checkpoint's tensors written back bit for bit.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "model": ("RobertaModel", SMALL),
     "sequence": ("RobertaForSequenceClassification", dict(SMALL, num_labels=3)),
+    "token": ("RobertaForTokenClassification", dict(SMALL, num_labels=5)),
 }
 
 

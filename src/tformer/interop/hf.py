@@ -1,8 +1,9 @@
 """Import and export of local Hugging Face model directories: config.json plus safetensors weights.
 
-`from_hf(path)` reads GPT-2, LLaMA, Mistral, BERT (masked LM, bare encoder, sequence or token classifier),
-Longformer (masked LM or bare encoder), BART, Marian and T5 checkpoints, in one model.safetensors or in shards listed
-by model.safetensors.index.json, into a tformer model.
+`from_hf(path)` reads GPT-2, LLaMA, Mistral, BERT and RoBERTa (masked LM, bare encoder, sequence or token
+classifier, extractive QA), Longformer (masked LM or bare encoder), BART, Marian, T5, mT5 and umT5 checkpoints (and
+the decoder families docs/models.md lists), in one model.safetensors or in shards listed by
+model.safetensors.index.json, into a tformer model.
 `to_hf(model, path)` writes a directory that `transformers.AutoModel*.from_pretrained` loads. What each architecture
 means is data in `hf_decoders`, `hf_encoders`, `hf_longformer` and `hf_t5`; this module reads and writes files and
 checks them.
@@ -38,6 +39,7 @@ from tformer.interop.hf_encoders import (
     ROBERTA_MODEL,
     ROBERTA_QA,
     ROBERTA_SEQUENCE,
+    ROBERTA_TOKEN,
 )
 from tformer.interop.hf_files import WEIGHTS, WEIGHTS_INDEX, Weights, listed, open_weights
 from tformer.interop.hf_gemma import GEMMA2, GEMMA3
@@ -100,6 +102,7 @@ FAMILIES: dict[str, Family] = {
         ROBERTA_MLM,
         ROBERTA_MODEL,
         ROBERTA_SEQUENCE,
+        ROBERTA_TOKEN,
         ROBERTA_QA,
         LONGFORMER_MLM,
         LONGFORMER_MODEL,
@@ -154,6 +157,7 @@ EXPORTS: dict[str, tuple[str, ...]] = {
         "RobertaForMaskedLM",
         "RobertaModel",
         "RobertaForSequenceClassification",
+        "RobertaForTokenClassification",
         "RobertaForQuestionAnswering",
         "LongformerForMaskedLM",
         "LongformerModel",

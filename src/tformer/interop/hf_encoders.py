@@ -337,6 +337,13 @@ ROBERTA_SEQUENCE = _roberta(
     lambda config: {**_roberta_out(config), **_labels_out(config)},
     lambda config: (_bert_base(config), ROBERTA_SEQUENCE_HEAD),
 )
+ROBERTA_TOKEN = _roberta(
+    "RobertaForTokenClassification",
+    "token-classification",
+    lambda hf: {**_roberta_in(hf), **_labels_in(hf)},
+    lambda config: {**_roberta_out(config), **_labels_out(config)},
+    lambda config: (_bert_base(config), BERT_TOKEN_HEAD),
+)
 ROBERTA_QA = _roberta(
     "RobertaForQuestionAnswering",
     "question-answering",
