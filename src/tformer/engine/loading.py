@@ -20,40 +20,40 @@ from tformer.models.families import EncoderMLM
 
 
 def load_engine(
-    model: str | os.PathLike[str],
+    path: str | os.PathLike[str],
     engine_config: EngineConfig | None = None,
     quantize: str | None = None,
     dtype: str = "auto",
-    draft_model: str | os.PathLike[str] | None = None,
+    draft_path: str | os.PathLike[str] | None = None,
     draft_quantize: str | None = None,
     embeddings_only: bool = False,
 ) -> Engine | EmbeddingEngine:
-    """An engine for `model` (a .gguf file, a tformer checkpoint or a Hugging Face directory) in `dtype`,
-    optionally with its linear layers quantized ('int8', 'int4' or 'w8a8'; see `set_precision`), and with a draft
-    model for speculative decoding when `draft_model` names one (it may be the same file, quantized). An encoder,
-    which generates nothing, is served for embeddings alone (an `EmbeddingEngine`, with a sentence-transformers
-    directory's own pooling) where `embeddings_only` allows it, and is a ConfigError elsewhere."""
+    """An engine for the model at `path` (a .gguf file, a tformer checkpoint, a Hugging Face or a run directory)
+    in `dtype`, optionally with its linear layers quantized ('int8', 'int4' or 'w8a8'; see `set_precision`), and
+    with a draft model for speculative decoding when `draft_path` names one (it may be the same file, quantized).
+    An encoder, which generates nothing, is served for embeddings alone (an `EmbeddingEngine`, with a
+    sentence-transformers directory's own pooling) where `embeddings_only` allows it, and is a ConfigError elsewhere."""
     check_precision(dtype, quantize)  # before the (slow) loads
     check_precision(dtype, draft_quantize)
-    if draft_quantize is not None and draft_model is None:
+    if draft_quantize is not None and draft_path is None:
         raise ConfigError(
             "a draft quantization needs a draft model (--draft-model); name the served model itself "
             "to draft with a quantized copy of it"
         )
-    net, tokenizer = load_quantized(model, quantize, dtype)
-    set_precision(net, dtype, quantize)
-    if isinstance(net, EncoderMLM):
-        if not embeddings_only or draft_model is not None:
+    model, tokenizer = load_quantized(path, quantize, dtype)
+    set_precision(model, dtype, quantize)
+    if isinstance(model, EncoderMLM):
+        if not embeddings_only or draft_path is not None:
             raise ConfigError(
-                f"{model} is an encoder ({net.config.encoder_head} head): it embeds text and generates none; use "
+                f"{path} is an encoder ({model.config.encoder_head} head): it embeds text and generates none; use "
                 "`tformer embed`, or `tformer serve` (without a draft model) for /v1/embeddings"
             )
-        return EmbeddingEngine(net, tokenizer, Pooling.default_for(net, model))
+        return EmbeddingEngine(model, tokenizer, Pooling.default_for(model, path))
     draft = None
-    if draft_model is not None:
-        draft, _ = load_quantized(draft_model, draft_quantize, dtype)
+    if draft_path is not None:
+        draft, _ = load_quantized(draft_path, draft_quantize, dtype)
         set_precision(draft, dtype, draft_quantize)
-    return Engine(net, tokenizer, engine_config, draft=draft)
+    return Engine(model, tokenizer, engine_config, draft=draft)
 
 
 def load_quantized(
@@ -71,11 +71,11 @@ def load_quantized(
         return load_pretrained(path)
     reader = open_gguf(path)
     groups = {name: parts for name, parts in q4_1_linears(reader).items() if parts[0].shape[0] % 16 == 0}
-    net = from_gguf(path, reader, leave_out=groups.keys())
+    model = from_gguf(path, reader, leave_out=groups.keys())
     for name, (q, scales, minimums) in groups.items():
         parent, _, child = name.removesuffix(".weight").rpartition(".")
-        setattr(net.get_submodule(parent), child, Int4Linear.from_groups(q, scales, minimums))
-    return net, tokenizer_from_gguf(path, reader)
+        setattr(model.get_submodule(parent), child, Int4Linear.from_groups(q, scales, minimums))
+    return model, tokenizer_from_gguf(path, reader)
 
 
 def warm_up(engine: Engine) -> None:
