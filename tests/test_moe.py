@@ -60,6 +60,59 @@ def test_routed_experts_equal_the_dense_mixture_and_each_runs_once(router: str, 
     torch.testing.assert_close(grad, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_idle_experts_get_zero_gradients_in_training() -> None:
+    """DistributedDataParallel needs a gradient for every parameter: an expert no token chose gets zeros."""
+    torch.manual_seed(0)
+    layer = MixtureOfExperts(moe_config(n_experts_per_token=1)).train()
+    layer.route = lambda logits, k: (torch.ones(logits.shape[0], k), torch.zeros(logits.shape[0], k, dtype=torch.long))
+    layer(torch.randn(5, 32)).square().sum().backward()
+    grads = [expert.up_proj.weight.grad for expert in layer.experts]
+    assert grads[0].abs().sum() > 0 and all(g is not None and not g.any() for g in grads[1:])
+
+
+def test_released_models_have_their_parameter_counts() -> None:
+    """Mixtral-8x7B and Qwen3-30B-A3B as their config.json describes them, built on the meta device."""
+    from tformer.models import build_model
+
+    common = {"family": "decoder", "n_encoder_layers": 0, "position": "rope", "norm": "rmsnorm", "ffn": "swiglu"}
+    common |= {"norm_placement": "pre", "ffn_bias": False, "attn_bias": False, "tie_embeddings": False}
+    common |= {"scale_embeddings": False, "init": "normal"}
+    mixtral = ModelConfig(
+        **common, vocab_size=32000, d_model=4096, n_decoder_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336, n_experts=8
+    )
+    qwen3 = ModelConfig(
+        **common,
+        vocab_size=151936,
+        d_model=2048,
+        n_decoder_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        qk_norm=True,
+        moe_d_ff=768,
+        n_experts=128,
+        n_experts_per_token=8,
+    )
+    for config, released in ((mixtral, 46_702_792_704), (qwen3, 30_532_122_624)):
+        with torch.device("meta"):
+            assert build_model(config, initialize=False).num_parameters() == released
+
+
+def test_activation_checkpointing_keeps_the_aux_loss_and_its_gradients() -> None:
+    from conftest import with_config
+
+    model = make_model(moe_config()).train()
+    checkpointed = with_config(model, activation_checkpointing=True)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for m in (model, checkpointed):
+        loss = m(ids).logsumexp(-1).mean() + moe_aux_loss(m)
+        loss.backward()
+        grads.append({name: p.grad for name, p in m.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_the_two_routers_differ_only_by_renormalization() -> None:
     logits = torch.randn(6, 8)
     w1, e1 = ROUTERS["topk-softmax"](logits, 3)
@@ -242,7 +295,7 @@ def test_a_tiny_moe_model_trains_and_logs_its_aux_loss(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_experts_serve_like_their_uncached_forward(mode: str) -> None:
+def test_quantized_experts_stay_close_to_the_float_model(mode: str) -> None:
     float_model = make_model(moe_config())
     model = quantize(make_model(moe_config()), mode, group_size=32)
     experts = [e for m in model.modules() if isinstance(m, MixtureOfExperts) for e in m.experts]
@@ -253,8 +306,72 @@ def test_quantized_experts_serve_like_their_uncached_forward(mode: str) -> None:
     with torch.no_grad():
         distance = (torch.softmax(model(ids), -1) - torch.softmax(float_model(ids), -1)).abs().sum(-1).max()
     assert distance < (0.30 if mode == "int8" else 0.20)  # test_quantize's budgets for the dense tiny-llama
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_experts_serve_like_their_uncached_forward(mode: str) -> None:
+    """As `tformer serve --quantize` prepares a model: each expert's gate and up fused, then quantized (fp32)."""
+    from tformer.kernels.quantize import set_precision
+
+    model = set_precision(make_model(moe_config()), "float32", mode)
+    assert all(
+        e.gate_up_proj is not None for m in model.modules() if isinstance(m, MixtureOfExperts) for e in m.experts
+    )
     prompts = [[5, 6, 7, 8, 9], [3, 4], list(range(1, 18))]
     results = Engine(model, config=EngineConfig(block_size=4, num_blocks=32)).generate(
         prompts, SamplingParams(max_tokens=8, temperature=0.0)
     )
     assert [r.token_ids for r in results] == [reference_greedy(model, p, 8) for p in prompts]
+
+
+# ---- to_hf from a model trained here, and files tformer refuses ---------------------------------------------------
+
+
+def test_a_tformer_moe_model_is_written_as_mixtral_that_transformers_runs(tmp_path) -> None:
+    model = make_model(moe_config(rope_theta=1e6))
+    to_hf(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_configs_no_architecture_holds_are_refused(tmp_path) -> None:
+    from tformer.models import CheckpointError
+
+    model = make_model(moe_config(moe_router="softmax-topk"))  # Qwen3-MoE's router, without its q/k norms
+    expected = "(?s)MixtralForCausalLM: moe_router is 'softmax-topk'.*Qwen3MoeForCausalLM: qk_norm is False"
+    with pytest.raises(CheckpointError, match=expected):
+        to_hf(model, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_local_experts": 0}, "num_local_experts=0: a mixture of experts needs at least one expert"),
+        ({"architectures": ["Qwen3MoeForCausalLM"], "use_sliding_window": True}, "use_sliding_window=true"),
+        ({"architectures": ["Qwen3MoeForCausalLM"], "decoder_sparse_step": 0}, "decoder_sparse_step=0"),
+    ],
+)
+def test_bad_moe_config_json_names_the_field(change: dict, message: str, tmp_path) -> None:
+    from tformer.models import CheckpointError
+
+    hf_mixtral().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(CheckpointError, match=message):
+        from_hf(tmp_path)
+
+
+def test_a_missing_expert_tensor_is_named(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from tformer.models import CheckpointError
+
+    hf_mixtral().save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing tensors .*layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight"):
+        from_hf(tmp_path)
