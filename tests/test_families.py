@@ -393,3 +393,39 @@ def test_served_families_decode_as_their_forward(case: str, quantize: str | None
     with torch.no_grad():
         # logits reach about 2-4 here; bf16 moved them by up to 0.11, INT8 weights by up to 0.24
         assert (served(ids).float() - reference(ids)).abs().max().item() <= (0.15 if quantize is None else 0.35)
+
+
+# ---- what these families refuse -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "changes", "message"),
+    [
+        ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type 'longrope'"),
+        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+        ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "chunked_"),
+        ("qwen3", {"hidden_act": "relu"}, "hidden_act 'relu' has no tformer equivalent"),
+    ],
+)
+def test_unsupported_family_configs_are_named(case: str, changes: dict, message: str, saved, tmp_path: Path) -> None:
+    import shutil
+
+    from tformer.models import CheckpointError
+
+    _, path = saved(case)
+    path = Path(shutil.copytree(path, tmp_path / case))
+    fields = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**fields, **changes}))
+    with pytest.raises(CheckpointError, match=message) as err:
+        from_hf(path)
+    assert str(path / "config.json") in str(err.value)
+
+
+def test_to_hf_refuses_an_architecture_that_cannot_hold_the_model(saved, tmp_path: Path) -> None:
+    from tformer.models import CheckpointError
+
+    ours = from_hf(saved("gemma2")[1])
+    with pytest.raises(CheckpointError, match="Gemma3ForCausalLM: .*attn_logit_softcap"):
+        to_hf(ours, tmp_path, architecture="Gemma3ForCausalLM")
+    with pytest.raises(CheckpointError, match="not 'BertModel'"):
+        to_hf(ours, tmp_path, architecture="BertModel")
