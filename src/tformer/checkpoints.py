@@ -6,6 +6,10 @@ A path is one of four things (`kind_of`):
 - a tformer checkpoint directory (config.yaml and model.safetensors);
 - a training run's directory (checkpoints/step-*/ inside), which stands for its best checkpoint, else its latest.
 
+A run's checkpoint counts only when it is complete: the trainer writes complete.json into it last, listing its
+files and their sizes (training/checkpoint.py). best.json names the best one; when that file is missing, empty,
+corrupt or names a checkpoint that is gone, the best is found again from the checkpoints' own trainer states.
+
 `load_pretrained` (serving, generation, conversion), `read_config` (fine-tuning's `train.init_from`, `tformer info`),
 `load_engine` and the `Translator` all come through here, so "what does this path hold" has one answer.
 The training side writes checkpoints (training/checkpoint.py); this module only reads them.
@@ -14,7 +18,9 @@ The training side writes checkpoints (training/checkpoint.py); this module only 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pickle
 from pathlib import Path
 from typing import Literal
 
@@ -32,6 +38,10 @@ from tformer.models import CONFIG_FILE, WEIGHTS_FILE, TransformerModel, load
 HF_CONFIG_FILE = "config.json"
 BEST_FILE = "best.json"
 RUN_CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.pt"  # a checkpoint's step, data cursor, scheduler and best score
+COMPLETE_FILE = "complete.json"  # written last into a checkpoint: {"step", "files": {relative path: bytes}}
+
+logger = logging.getLogger(__name__)
 
 Kind = Literal["gguf", "hf", "tformer", "run"]
 
@@ -65,28 +75,110 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (temporary directories of interrupted writes are skipped)."""
+    """The checkpoint directories of a run under their real names, oldest first (the `.tmp` directories of
+    interrupted writes and others set aside are skipped); `incomplete_reason` says whether each is whole."""
     root = run_dir / RUN_CHECKPOINTS
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and "." not in p.name)
 
 
-def best_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint with the best dev BLEU so far, if one was recorded and still exists."""
+def incomplete_reason(checkpoint: Path) -> str | None:
+    """Why `checkpoint` is not a complete checkpoint (None when it is): no complete.json, or a file it lists is
+    missing or has another size. The trainer state is checked by reading it (`read_trainer_state`)."""
+    try:
+        record = json.loads((checkpoint / COMPLETE_FILE).read_text(encoding="utf-8"))
+        files = record["files"]
+        sizes = {str(name): int(size) for name, size in files.items()}
+    except FileNotFoundError:
+        return f"no {COMPLETE_FILE} (its write was cut short, or an older tformer wrote it)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"{COMPLETE_FILE} is unreadable ({type(err).__name__}: {err})"
+    for name, size in sizes.items():
+        file = checkpoint / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {COMPLETE_FILE} says {size}"
+    return None
+
+
+def read_trainer_state(checkpoint: Path) -> dict:
+    """A checkpoint's trainer state, read without unpickling arbitrary objects (only tensors and containers)."""
+    try:
+        state = torch.load(checkpoint / STATE_FILE, weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
+        raise CheckpointError(f"{checkpoint / STATE_FILE}: cannot read trainer state: {err}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{checkpoint / STATE_FILE}: holds a {type(state).__name__}, not a trainer state")
+    return state
+
+
+def recorded_best(run_dir: Path) -> tuple[Path | None, str | None]:
+    """(the checkpoint best.json names, None) when it exists and is complete (or predates complete.json); else
+    (None, why not). The reason is None when there is no best.json at all (a run that has not evaluated yet)."""
     path = run_dir / BEST_FILE
     if not path.is_file():
-        return None
-    best = checkpoint_dir(run_dir, json.loads(path.read_text())["step"])
-    return best if best.is_dir() else None
+        return None, None
+    try:
+        step = json.loads(path.read_text(encoding="utf-8"))["step"]
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"step is {step!r}")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return None, f"{path} is unreadable ({type(err).__name__}: {err})"
+    best = checkpoint_dir(run_dir, step)
+    if not best.is_dir():
+        return None, f"{path} names step {step}, whose checkpoint {best} does not exist"
+    # a checkpoint without complete.json at all was written before tformer wrote one: still served as the best
+    if (best / COMPLETE_FILE).exists() and (reason := incomplete_reason(best)) is not None:
+        return None, f"{path} names {best}, which is incomplete: {reason}"
+    return best, None
+
+
+def best_from_states(run_dir: Path) -> tuple[Path, float] | None:
+    """The best checkpoint found from the complete checkpoints' trainer states, and its score: the first one
+    whose `best_bleu` (the best score as of its step) is the highest, since a new best is saved at its own step.
+    None when no checkpoint was ever scored."""
+    best, best_bleu = None, -1.0
+    for checkpoint in list_checkpoints(run_dir):
+        if incomplete_reason(checkpoint) is not None:
+            continue
+        try:
+            bleu = float(read_trainer_state(checkpoint).get("best_bleu", -1.0))
+        except CheckpointError:
+            continue
+        if bleu > best_bleu:
+            best, best_bleu = checkpoint, bleu
+    return None if best is None else (best, best_bleu)
+
+
+def best_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint with the best dev BLEU so far: the one best.json names; when best.json is missing, empty,
+    corrupt or names a checkpoint that is gone or incomplete, the one the checkpoints' trainer states say (with
+    a logged warning). None when no checkpoint was scored."""
+    best, problem = recorded_best(run_dir)
+    if best is not None:
+        return best
+    found = best_from_states(run_dir)
+    if found is not None:
+        why = problem or f"{run_dir / BEST_FILE} is missing"
+        logger.warning("%s; using %s, the best by the checkpoints' trainer states", why, found[0])
+        return found[0]
+    return None
+
+
+def newest_complete_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint of a run whose complete.json agrees with its files."""
+    return next((c for c in reversed(list_checkpoints(run_dir)) if incomplete_reason(c) is None), None)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory itself, or for a run directory its best checkpoint (else its latest)."""
+    """A checkpoint directory itself, or for a run directory its best checkpoint (else its newest complete one,
+    else, for a run written before checkpoints had complete.json, its newest)."""
     path = Path(path)
     if (path / WEIGHTS_FILE).is_file():
         return path
-    found = best_checkpoint(path) or next(reversed(list_checkpoints(path)), None)
+    found = best_checkpoint(path) or newest_complete_checkpoint(path) or next(reversed(list_checkpoints(path)), None)
     if found is None:
         raise CheckpointError(
             f"{path} is neither a checkpoint (no {WEIGHTS_FILE}) nor a run directory with {RUN_CHECKPOINTS}/; "

@@ -2,7 +2,9 @@
 where it caches what it builds on a machine (`cache_dir`).
 
 A mapping is read with an error that names the file and says what is wrong; a file is written atomically, so
-that a crash or a kill leaves the old file or the new one, never half of one.
+that a crash or a kill leaves the old file or the new one, never half of one. Atomic writes are also durable: the
+new file's data reaches the disk (fsync) before the rename, and the rename itself (an fsync of the directory)
+before they return, so that after a power cut the name never points to a file whose data was lost.
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ def read_mapping(path: Path, error: type[Exception], what: str, fix: str = "") -
 
 
 def write_atomically(target: Path, write: Callable[[Path], object]) -> None:
-    """Calls `write(tmp)` for a temporary path beside `target`, then renames it over `target`."""
+    """Calls `write(tmp)` for a temporary path beside `target`, then renames it over `target`, durably: the data is
+    on the disk before the rename, and the rename before this returns."""
     tmp = target.with_name(target.name + ".tmp")
     try:
         write(tmp)
+        fsync(tmp)
         os.replace(tmp, target)
+        fsync(target.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -46,6 +51,24 @@ def write_atomically(target: Path, write: Callable[[Path], object]) -> None:
 def write_text_atomically(path: Path, text: str) -> None:
     """Writes `text` (UTF-8) to `path` atomically."""
     write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def fsync(path: Path) -> None:
+    """Flushes a file's data, or a directory's entries (names created, renamed or removed in it), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """`fsync` on every file under `root`, then on every directory, deepest first, so that each name is on the
+    disk with its data."""
+    for directory, _, names in os.walk(root, topdown=False):
+        for name in names:
+            fsync(Path(directory) / name)
+        fsync(Path(directory))
 
 
 def cache_dir(name: str) -> Path:

@@ -1,7 +1,8 @@
 """The weight files of a Hugging Face model directory: model.safetensors or its shards, read by tensor name.
 
 Pickled checkpoints (pytorch_model.bin) are refused with a message saying how to convert them: unpickling can run
-arbitrary code.
+arbitrary code. Every file's header is checked field by field before it is opened, and an index may name only
+shards inside its own directory.
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from tformer.models import CheckpointError
+from tformer.models.safetensors_header import check_safetensors_header
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -29,6 +31,7 @@ class Weights:
         self.file_of: dict[str, Path] = {}
         self._handles: dict[str, Any] = {}
         for file in files:
+            check_safetensors_header(file)
             try:
                 handle = stack.enter_context(safe_open(str(file), framework="pt"))
             except (SafetensorError, OSError) as err:
@@ -74,14 +77,34 @@ def weight_files(path: Path) -> list[Path]:
 
 def _shards(index: Path) -> list[Path]:
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        names = sorted(set(weight_map.values()))
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
-        raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a weight_map): {err}") from None
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise CheckpointError(f"{index}: not JSON ({type(err).__name__}: {err}); copy the model again") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"{index}: not a safetensors index: its weight_map field (an object from tensor names to shard files) is "
+            f"{'missing' if weight_map is None else 'a ' + type(weight_map).__name__}; copy the model again"
+        )
+    for tensor, name in weight_map.items():
+        _check_shard_name(index, tensor, name)
+    names = sorted(set(weight_map.values()))
     missing = [name for name in names if not (index.parent / name).is_file()]
     if missing:
         raise CheckpointError(f"{index} lists shards that are not in {index.parent}: {listed(missing)}; copy them")
     return [index.parent / name for name in names]
+
+
+def _check_shard_name(index: Path, tensor: str, name: object) -> None:
+    """A shard is a relative path inside the index's directory: no absolute path, no '..', no backslash."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{index}: weight_map[{tensor!r}] is {name!r}, not the file name of a shard")
+    parts = PurePosixPath(name).parts
+    if not parts or PurePosixPath(name).is_absolute() or ".." in parts or "\\" in name or ":" in name:
+        raise CheckpointError(
+            f"{index}: weight_map[{tensor!r}] names {name!r}, outside the model directory; a shard must be a file "
+            "in the directory of the index"
+        )
 
 
 def _unreadable(err: Exception) -> str:

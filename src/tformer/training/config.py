@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
+
+import yaml
 
 from tformer.config import ConfigBase, ConfigError, ModelConfig
 from tformer.data.genre import GENRE_CORPUS, GENRES
@@ -25,6 +29,28 @@ OTHER_FAMILY_OBJECTIVES = {"ssm": ("clm",), "lstm-encoder-decoder": ("seq2seq",)
 PARALLEL_STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp+tp")  # how several processes share the work
 FSDP_SHARDINGS = ("full", "grad-op")  # ZeRO-3 / ZeRO-2
 FSDP_DTYPES = ("float32", "bfloat16")
+RESUME_MODES = ("check", "force")  # check: resume only with the recipe the run's checkpoints were trained with
+# what a resumed run may change without train.resume: force: when it stops, evaluates, saves and logs, and how it is
+# spread over processes (the sharded state re-slices to any layout); never what it learns from or how
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "train.max_steps",
+        "train.time_budget",
+        "train.eval_every",
+        "train.save_every",
+        "train.keep_last",
+        "train.log_every",
+        "train.beam_size",
+        "train.length_penalty",
+        "train.out_dir",
+        "train.resume",
+        "train.parallel",
+        "train.fsdp_sharding",
+        "train.tp_size",
+        "train.dist_timeout",
+        "model.activation_checkpointing",
+    }
+)
 
 
 @dataclass
@@ -71,6 +97,9 @@ class TrainConfig(ConfigBase):
     save_every: int = 500
     keep_last: int = 3
     log_every: int = 20
+    # an out_dir that already holds a run resumes it; with a recipe other than the one in its train.yaml (beyond
+    # RESUME_MAY_CHANGE) that is refused, unless resume is 'force' (the run's tokenizer and checkpoints stay)
+    resume: str = "check"
 
     # several processes, launched with torchrun (training/distributed.py; ignored when training alone)
     parallel: str = "auto"  # auto (= ddp on several processes), ddp, fsdp, tp or fsdp+tp
@@ -111,6 +140,7 @@ class TrainConfig(ConfigBase):
             ("fsdp_sharding", FSDP_SHARDINGS),
             ("fsdp_param_dtype", FSDP_DTYPES),
             ("fsdp_reduce_dtype", FSDP_DTYPES),
+            ("resume", RESUME_MODES),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"unknown {name} '{getattr(self, name)}'; choose one of: {', '.join(allowed)}")
@@ -152,6 +182,45 @@ class TrainConfig(ConfigBase):
         train = self.to_dict()
         lora = train.pop("lora")
         return {"model": model.to_dict(), "train": train, **({"lora": lora} if lora is not None else {})}
+
+
+def recipe_changes(saved: dict, recipe: dict) -> list[str]:
+    """The keys in which `recipe` differs from a `saved` one (both as `TrainConfig.recipe` writes them), as
+    'section.key: old -> new', leaving out RESUME_MAY_CHANGE. A key that only one of them has (a field added to or
+    removed from tformer since) counts only when its value is not the field's default."""
+    saved, recipe = yaml.safe_load(yaml.safe_dump(saved)), yaml.safe_load(yaml.safe_dump(recipe))  # plain values
+    changes = []
+    if ("lora" in saved) != ("lora" in recipe):
+        changes.append(f"lora: {_shown(saved.get('lora', NOT_SET))} -> {_shown(recipe.get('lora', NOT_SET))}")
+    defaults = {"model": _defaults(ModelConfig), "train": _defaults(TrainConfig), "lora": {}}
+    for section in ("model", "train", "lora") if not changes else ("model", "train"):
+        old, new = saved.get(section) or {}, recipe.get(section) or {}
+        for key in [*old, *(k for k in new if k not in old)]:
+            before, after = old.get(key, NOT_SET), new.get(key, NOT_SET)
+            if f"{section}.{key}" in RESUME_MAY_CHANGE or before == after:
+                continue
+            only = after if before is NOT_SET else before if after is NOT_SET else NOT_SET
+            if only is not NOT_SET and key in defaults[section] and only == defaults[section][key]:
+                continue
+            changes.append(f"{section}.{key}: {_shown(before)} -> {_shown(after)}")
+    return changes
+
+
+NOT_SET = object()
+
+
+def _defaults(config: type) -> dict[str, Any]:
+    defaults = {}
+    for field in dataclasses.fields(config):
+        if field.default is not dataclasses.MISSING:
+            defaults[field.name] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            defaults[field.name] = field.default_factory()
+    return yaml.safe_load(yaml.safe_dump(defaults))
+
+
+def _shown(value: Any) -> str:
+    return "(not set)" if value is NOT_SET else repr(value)
 
 
 def check_objective(model: ModelConfig, train: TrainConfig) -> None:

@@ -1,6 +1,6 @@
-"""The training loop: token-budget batches, label-smoothed loss, accumulation, clipping, bf16 autocast, atomic
-checkpoints with bit-exact resume, dev BLEU, JSONL metrics, a progress bar, clean Ctrl-C, and an error that says
-where a diverged step went non-finite or what to change when memory runs out (diagnose.py).
+"""The training loop: token-budget batches, label-smoothed loss, accumulation, clipping, bf16 autocast, durable
+checkpoints with bit-exact resume, dev BLEU, JSONL metrics, a progress bar, a clean stop on Ctrl-C or SIGTERM, and an
+error that says where a diverged step went non-finite or what to change when memory runs out (diagnose.py).
 
 Resuming: every checkpoint stores the optimizer and scheduler state and the data cursor, and every random
 choice in a step is drawn from generators seeded by (seed, step) (seeds.py), so a run killed at any point and
@@ -17,29 +17,33 @@ from __future__ import annotations
 import json
 import math
 import signal
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-import yaml
 from torch import nn
 
-from tformer.checkpoints import checkpoint_dir, list_checkpoints
+from tformer.checkpoints import best_from_states, checkpoint_dir, recorded_best
 from tformer.config import ModelConfig
 from tformer.data import Cursor, LMBatch, Seq2SeqBatch, TokenBatchSampler, Vocab
 from tformer.errors import TrainingDiverged, TrainingOutOfMemory
 from tformer.models import CheckpointError, TransformerModel, build_model
 from tformer.training.checkpoint import (
+    RunLock,
     begin_checkpoint,
+    check_recipe,
     commit_checkpoint,
     drop_records_after,
-    load_trainer_state,
+    newest_valid_checkpoint,
     pending_dir,
     prune_checkpoints,
     record_best,
+    recover_checkpoints,
     rewrite_trainer_state,
     write_checkpoint_files,
+    write_recipe,
 )
 from tformer.training.config import TrainConfig, check_objective
 from tformer.training.corpus import PreparedData, batch_objective, prepare_data
@@ -83,6 +87,17 @@ class Trainer:
         self.dist = init_distributed(train_config, torch.device(device))
         self.device = self.dist.device
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # one run at a time in a run directory: a second one would delete the first's pending checkpoints
+        self.lock = RunLock(self.run_dir) if self.dist.is_main else None
+        try:
+            self._set_up(model_config, train_config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _set_up(self, model_config: ModelConfig, train_config: TrainConfig) -> None:
+        if self.dist.is_main:
+            recover_checkpoints(self.run_dir)  # what a crash left half done, before any rank reads the checkpoints
         if not self.dist.is_main:  # rank 0 trains the tokenizer (or finds it) first; the others then load it
             self.dist.barrier()
         # fine-tuning: the weights (on every rank) and their tokenizer; resuming then overwrites the weights
@@ -98,8 +113,10 @@ class Trainer:
                 model_config, vocab_size=tokenizer.vocab_size, tgt_vocab_size=None, pad_token_id=tokenizer.pad_id
             )
         )
+        # the run's tokenizer and checkpoints were made by the recipe in its train.yaml: another one is refused
+        check_recipe(self.run_dir, self.config.recipe(self.model_config), force=train_config.resume == "force")
         if self.dist.is_main:
-            self._write_recipe()
+            write_recipe(self.run_dir, self.config.recipe(self.model_config))
         torch.manual_seed(train_config.seed)
         model = (pretrained.model if pretrained else build_model(self.model_config)).to(self.device)
         self.model = with_lora(model, train_config.lora_config, self.dist.enabled)  # a lora: section: adapters only
@@ -129,16 +146,18 @@ class Trainer:
             return paper_adam(self.model, self.model_config.d_model, c.warmup, scale=c.lr, fused=fused)
         return adamw_cosine(self.model, c.lr, c.warmup, c.max_steps, weight_decay=c.weight_decay, fused=fused)
 
-    def _write_recipe(self) -> None:
-        recipe = self.config.recipe(self.model_config)
-        (self.run_dir / "train.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-
     def _resume(self) -> None:
-        checkpoints = list_checkpoints(self.run_dir)
-        if not checkpoints:
+        """Continues from the newest checkpoint that is complete and readable, naming the newer ones skipped."""
+        latest, state, skipped = newest_valid_checkpoint(self.run_dir)
+        if skipped and self.dist.is_main:
+            print(f"warning: skipped checkpoints that cannot be resumed: {'; '.join(skipped)}", file=sys.stderr)
+        if latest is None:
+            if skipped:  # never train from the start over a run's checkpoints
+                raise CheckpointError(
+                    f"{self.run_dir} holds no checkpoint that can be resumed ({'; '.join(skipped)}); delete them (or "
+                    "the run directory) to train from the start, or set train.out_dir to a new directory"
+                )
             return
-        latest = checkpoints[-1]
-        state = load_trainer_state(latest)
         if (latest / SHARDED_DIR).is_dir():
             load_sharded(latest / SHARDED_DIR, self.module, self.optimizer)
         elif self.dist.enabled:
@@ -155,7 +174,28 @@ class Trainer:
         self.saved_step = self.step
         if self.dist.is_main:
             drop_records_after(self.metrics_path, self.step)
+            self._repair_best_record()
             print(f"resumed from {latest} (step {self.step})")
+
+    def _repair_best_record(self) -> None:
+        """Records the best checkpoint again from the checkpoints' trainer states when best.json does not name it:
+        a run killed after committing a new best but before writing best.json, or a best.json lost or damaged."""
+        found = best_from_states(self.run_dir)
+        recorded, problem = recorded_best(self.run_dir)
+        if found is None or found[0] == recorded:
+            return
+        best, bleu = found
+        compared = min(self.config.eval_sentences, len(self.data.dev))
+        record_best(self.run_dir, int(best.name.removeprefix("step-")), bleu, compared)
+        if recorded is not None:
+            problem = f"best.json named {recorded.name}, but {best.name} scored higher (its record was cut short)"
+        print(f"warning: {problem or 'best.json was missing'}; recorded {best.name} as the best", file=sys.stderr)
+
+    def close(self) -> None:
+        """Lets another run train in this run directory (releases its lock); `fit` calls it when it ends."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # ---- one optimizer step ----------------------------------------------------------------------------
     def _batch(self, indices: list[int], micro_step: int) -> Seq2SeqBatch | LMBatch:
@@ -237,12 +277,15 @@ class Trainer:
             if self.dist.enabled and is_collective_failure(err):
                 raise self.dist.failure(err) from err
             raise
+        finally:
+            self.close()
 
     def _fit(self) -> dict:
         c = self.config
         dist = self.dist
         stream = self.sampler.iterate(self.cursor)  # the global stream: the same on every rank
-        previous_handler = signal.signal(signal.SIGINT, self._request_stop)
+        # Ctrl-C, or SIGTERM (a scheduler's preemption): finish the step, save, exit cleanly
+        previous_handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         window_tokens, window_loss, window_start = 0, 0.0, self.elapsed  # training time only, no eval
         if c.init_from and self.step == 0:  # the pretrained model's dev score: the baseline of a fine-tune
             self._evaluate(c.eval_sentences)
@@ -289,7 +332,8 @@ class Trainer:
                     self._save()
         finally:
             self.progress.close()
-            signal.signal(signal.SIGINT, previous_handler)
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
         interrupted = dist.any_rank(self.stop_requested)
         if interrupted and dist.is_main:
             print(f"interrupted: saving a checkpoint at step {self.step}; the same command resumes the run")
@@ -304,11 +348,13 @@ class Trainer:
     def _out_of_time(self) -> bool:
         return self.config.time_budget > 0 and self.elapsed >= self.config.time_budget
 
-    def _save(self) -> None:
+    def _save(self, new_best: tuple[float, int] | None = None) -> None:
         """A checkpoint of this step (a collective: every rank writes its shards, rank 0 the rest).
 
         When this step is already on disk (a new best on a save step, or the final evaluation's new best after
         the last save), only its trainer state is rewritten, by rank 0, so that it agrees with best.json.
+        `new_best` (BLEU, sentences compared) names this step the best in best.json once its checkpoint is
+        committed, and before older checkpoints are pruned.
         """
         state = {
             "scheduler": self.scheduler.state_dict(),
@@ -322,6 +368,8 @@ class Trainer:
         if self.saved_step == self.step:
             if self.dist.is_main:
                 rewrite_trainer_state(checkpoint_dir(self.run_dir, self.step), state)
+                if new_best is not None:
+                    record_best(self.run_dir, self.step, *new_best)
             return
         weights = self._consolidated()
         tmp = begin_checkpoint(self.run_dir, self.step) if self.dist.is_main else pending_dir(self.run_dir, self.step)
@@ -332,6 +380,8 @@ class Trainer:
         if self.dist.is_main:
             write_checkpoint_files(tmp, weights, self.data.tokenizer, state)
             commit_checkpoint(tmp)
+            if new_best is not None:
+                record_best(self.run_dir, self.step, *new_best)
             prune_checkpoints(self.run_dir, self.config.keep_last)
         self.dist.barrier()
         self.saved_step = self.step
@@ -377,10 +427,8 @@ class Trainer:
         local_bleu = result.bleu_of_first(compared) if result else -1.0  # no score on the ranks other than 0
         bleu = local_bleu if final else self.dist.from_main(local_bleu)
         if bleu > self.best_bleu:
-            self.best_bleu = bleu
-            if self.dist.is_main:
-                record_best(self.run_dir, self.step, bleu, compared)  # before the save: the saved state agrees
-            self._save()
+            self.best_bleu = bleu  # before the save: the saved state agrees with best.json
+            self._save(new_best=(bleu, compared))
         if result is None:  # final evaluation on a rank other than 0
             return {}
         return {
