@@ -247,13 +247,14 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
 def test_unsupported_quantization_type_names_tensor_and_type(tmp_path: Path) -> None:
     model = tiny_hf_model()
     tensors = gguf_tensors(model)
-    q6_k_bytes = 210  # per 256 values
-    tensors["blk.1.ffn_down.weight"] = np.random.default_rng(0).integers(0, 256, (64, q6_k_bytes), dtype=np.uint8)
-    path = write_gguf(tmp_path / "q6k.gguf", tensors, llama_metadata(model), types={"blk.1.ffn_down.weight": Q.Q6_K})
+    iq4_xs_bytes = 136  # per 256 values
+    tensors["blk.1.ffn_down.weight"] = np.random.default_rng(0).integers(0, 256, (64, iq4_xs_bytes), dtype=np.uint8)
+    types = {"blk.1.ffn_down.weight": Q.IQ4_XS}
+    path = write_gguf(tmp_path / "iq4xs.gguf", tensors, llama_metadata(model), types=types)
     with pytest.raises(
         GGUFError,
-        match=r"unsupported quantization type Q6_K for blk\.1\.ffn_down\.weight; "
-        r"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K",
+        match=r"unsupported quantization type IQ4_XS for blk\.1\.ffn_down\.weight; "
+        r"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K",
     ):
         from_gguf(path)
 

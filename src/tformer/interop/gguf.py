@@ -35,6 +35,7 @@ from tformer.interop.gguf_arch import (
     unpermute_rope_rows,
 )
 from tformer.interop.gguf_file import GGUF_MAGIC, GGUFFile, Malformed, TensorInfo, Truncated, q4_1_groups
+from tformer.interop.gguf_quants import DEQUANTIZERS
 from tformer.interop.hf import FAMILIES as HF_FAMILIES
 from tformer.interop.hf import expected_shapes, hf_fields, read_state
 from tformer.interop.hf_files import listed
@@ -45,7 +46,7 @@ __all__ = ["unpermute_rope_rows"]  # re-exported: tests and tools undo llama.cpp
 
 Q = GGMLQuantizationType
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
-SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K)
+SUPPORTED_TYPES = tuple(DEQUANTIZERS)  # each dequantized in vectorized torch (gguf_quants)
 REQUIRED_METADATA = ("embedding_length", "block_count", "attention.head_count")
 ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 ROPE_FREQS = "rope_freqs.weight"

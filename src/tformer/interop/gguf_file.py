@@ -2,8 +2,8 @@
 
 The `gguf` package's reader turns every metadata string into a numpy view, slow to open a file with a large
 vocabulary. This reader parses the header with `struct`, far faster (docs/design-notes.md, "interop/gguf_file.py"),
-and dequantizes the common block formats with vectorized torch ops, bit for bit as `gguf.quants` does (the
-tests compare the two). Other block formats go through `gguf.quants`.
+and dequantizes the common block formats (the K-quants too) with vectorized torch ops, bit for bit as `gguf.quants`
+does (`gguf_quants`; the tests compare the two). Other block formats go through `gguf.quants`.
 
 Layout (little-endian, GGUF v2 and v3): magic, version u32, tensor count u64, metadata count u64; metadata as
 (key string, value type u32, value); tensor infos as (name, n_dims u32, dims u64 innermost first, type u32,
@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
+
+from tformer.interop.gguf_quants import DEQUANTIZERS, f16_field, nibbles
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -185,37 +187,5 @@ def q4_1_groups(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor
     (rows, cols / 32), with w = d * q + m."""
     blocks = raw.view(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q4_1][1])
     rows, cols = shape
-    q = _nibbles(blocks[:, 4:]).reshape(rows, cols)
-    return q, _f16(blocks, 0).reshape(rows, -1), _f16(blocks, 2).reshape(rows, -1)
-
-
-def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """Each block's float16 at byte `start`, as float32 of shape (n_blocks, 1)."""
-    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """(n, 16) bytes -> (n, 32) values: the low nibbles are elements 0-15, the high nibbles 16-31."""
-    return torch.cat([packed & 0x0F, packed >> 4], dim=1)
-
-
-def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks[:, 2:].contiguous().view(torch.int8).float() * _f16(blocks, 0)
-
-
-def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    return _f16(blocks, 0) * (_nibbles(blocks[:, 2:]).to(torch.int8) - 8).float()
-
-
-def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    return _f16(blocks, 0) * _nibbles(blocks[:, 4:]).float() + _f16(blocks, 2)
-
-
-DEQUANTIZERS = {
-    GGMLQuantizationType.F32: lambda raw: raw.view(torch.float32).clone(),
-    GGMLQuantizationType.F16: lambda raw: raw.view(torch.float16).float(),
-    GGMLQuantizationType.BF16: lambda raw: raw.view(torch.bfloat16).float(),
-    GGMLQuantizationType.Q8_0: _q8_0,
-    GGMLQuantizationType.Q4_0: _q4_0,
-    GGMLQuantizationType.Q4_1: _q4_1,
-}
+    q = nibbles(blocks[:, 4:]).reshape(rows, cols)
+    return q, f16_field(blocks, 0).reshape(rows, -1), f16_field(blocks, 2).reshape(rows, -1)
