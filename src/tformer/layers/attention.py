@@ -7,7 +7,6 @@ Backends live in ATTENTION_BACKENDS: "sdpa" calls torch's fused scaled_dot_produ
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 
@@ -241,8 +240,7 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None  # q, k and v in one layer, for serving: `fuse_projections`
         self.qkv_sizes: list[int] = []  # the widths of q, k and v in qkv_proj's output, set with it
         self.backend = ATTENTION_BACKENDS[config.attention_backend]
-        if config.attn_logit_softcap is not None:  # capped scores: the math path, in training and serving alike
-            self.backend = functools.partial(math_attention, softcap=config.attn_logit_softcap)
+        self.softcap = config.attn_logit_softcap  # Gemma 2's cap on the scores: `attend` takes the math path
         self.attn_dropout = config.attn_dropout
         self.keep_weights = False
         self.last_weights: torch.Tensor | None = None
@@ -311,11 +309,12 @@ class Attention(nn.Module):
 
     def attends_plainly(self) -> bool:
         """Whether this layer computes plain softmax attention over all its heads, as a cache that attends by itself
-        does: no kept weights, dropout, tensor-parallel shard, other backend or replaced `attend`."""
+        does: no kept weights, soft cap, dropout, tensor-parallel shard, other backend or replaced `attend`."""
         return (
             self.backend is sdpa_attention
             and type(self).attend is Attention.attend
             and not self.keep_weights
+            and self.softcap is None
             and not (self.training and self.attn_dropout)
             and self.heads == slice(None)
         )
@@ -325,8 +324,11 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention kernel: (B, H, Tq, D) queries over (B, Hkv, Tk, D) keys and values -> output, weights.
 
-        Subclasses (linear attention) and context parallelism (ring attention) replace this step only.
+        Subclasses (linear attention) and context parallelism (ring attention) replace this step only. Capped
+        scores (`softcap`) take the math path whatever the backend: no fused kernel caps them.
         """
+        if self.softcap is not None:
+            return math_attention(q, k, v, mask, dropout_p, softcap=self.softcap)
         return self.backend(q, k, v, mask, dropout_p)
 
     def to_heads(self, projected: torch.Tensor) -> torch.Tensor:
