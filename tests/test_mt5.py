@@ -1,7 +1,7 @@
 """mT5 and umT5 against `transformers`' MT5ForConditionalGeneration and UMT5ForConditionalGeneration with the same
 random weights: logits on padded batches through from_hf, to_hf back (tensors bit for bit, logits through
-transformers again), and greedy translation by tformer's greedy_search against transformers' generate. umT5 gives
-every layer its own relative bias table (relative_attention_per_layer); mT5 is T5 v1.1's layout.
+transformers again), and greedy translation by tformer's greedy_search and Engine against transformers' generate.
+umT5 gives every layer its own relative bias table (relative_attention_per_layer); mT5 is T5 v1.1's layout.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from tformer import TransformerModel
 from tformer.decoding.search import greedy_search
+from tformer.engine import Engine, EngineConfig, SamplingParams
 from tformer.interop.hf import from_hf, to_hf
 
 transformers = pytest.importorskip("transformers")
@@ -152,3 +153,26 @@ def test_greedy_translation_equals_transformers_generate(case: str, checkpoint) 
         input_ids=src, attention_mask=src_mask, max_new_tokens=N_NEW, do_sample=False, use_cache=use_cache
     )
     assert mine == generated[:, 1:].tolist()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_engine_translation_equals_transformers_generate(case: str, checkpoint) -> None:
+    """The engine's paged decoder (each layer's bias over paged keys) against generate. Without a tokenizer the
+    engine starts the target from id 1, so generate is told the same start."""
+    theirs, path = checkpoint(case)
+    ours = from_hf(path)
+    src, src_mask = right_padded([8, 5, 11], ours.config.vocab_size, seed=4)
+    sources = [row[: int(n)].tolist() for row, n in zip(src, src_mask.sum(-1), strict=True)]
+    engine = Engine(ours, config=EngineConfig(block_size=4, num_blocks=64))
+    results = engine.generate(sources, SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True))
+    theirs.generation_config.update(eos_token_id=None, forced_eos_token_id=None)
+    use_cache = theirs.config.num_decoder_layers == theirs.config.num_layers  # as above
+    generated = theirs.generate(
+        input_ids=src,
+        attention_mask=src_mask,
+        max_new_tokens=N_NEW,
+        do_sample=False,
+        use_cache=use_cache,
+        decoder_start_token_id=1,
+    )
+    assert [result.token_ids for result in results] == generated[:, 1:].tolist()
