@@ -22,6 +22,8 @@ from tformer.engine import Completion, Engine, EngineConfig, SamplingParams
 from tformer.engine.async_engine import AsyncEngine
 from tformer.kernels.quantize import set_precision
 from tformer.serve import create_app
+from tformer.serve.middleware import ServerLimits
+from tformer.serve.server import FLUSH_SECONDS, GracefulServer
 
 # ---- serving: a tiny checkpoint, a live server, and the offline reference ---------------------------------------
 
@@ -57,15 +59,23 @@ class LiveServer:
         name: str = NAME,
         draft: torch.nn.Module | None = None,
         engine: Any = None,
+        limits: ServerLimits | None = None,
+        api_key: str | None = None,
+        shutdown_timeout: float = 5.0,
     ) -> None:
-        """`engine` (an `EmbeddingEngine`, say) replaces the `Engine` built from the model."""
+        """`engine` (an `EmbeddingEngine`, say) replaces the `Engine` built from the model; `limits`, `api_key` and
+        `shutdown_timeout` are `tformer serve`'s."""
         self.tokenizer = tokenizer
-        self.engine = AsyncEngine(engine or Engine(model, tokenizer, config, draft=draft))
-        self.app = create_app(self.engine, tokenizer, name)
+        limits = limits or ServerLimits()
+        built = engine or Engine(model, tokenizer, config, draft=draft)
+        self.engine = AsyncEngine(built, max_waiting=limits.max_waiting, request_timeout=limits.request_timeout)
+        self.app = create_app(self.engine, tokenizer, name, api_key, limits=limits)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5))
+        graceful = shutdown_timeout + FLUSH_SECONDS
+        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=graceful)
+        self.server = GracefulServer(config, self.engine, shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -98,8 +108,8 @@ def client(server: LiveServer, cls: type = openai.OpenAI) -> Any:
     return cls(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
+def metric(url: str, name: str, headers: dict[str, str] | None = None) -> float:
+    text = httpx.get(f"{url}/metrics", headers=headers).text
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -45,8 +46,6 @@ class CliServer:
             str(path),
             "--port",
             self.url.rsplit(":", 1)[1],
-            "--api-key",
-            KEY,
             "--model-name",
             NAME,
             "--quantize",
@@ -56,8 +55,9 @@ class CliServer:
             "--kv-cache-mb",
             "64",
         ]
+        env = {**os.environ, "TFORMER_API_KEY": KEY}  # the documented way: a --api-key flag shows in `ps`
         with open(log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
@@ -104,11 +104,11 @@ def test_api_key_is_required_on_v1(cli) -> None:
         == expected.text
     )
     unauthorized = 'tformer_requests_total{endpoint="/v1/models",status="401"}'
-    assert metric(cli.url, unauthorized) == 3  # two by hand, one by the client
+    assert metric(cli.url, unauthorized, AUTH) == 3  # two by hand, one by the client
 
 
 def test_disconnected_clients_free_their_kv_blocks(cli) -> None:
-    aborted = metric(cli.url, "tformer_requests_aborted_total")
+    aborted = metric(cli.url, "tformer_requests_aborted_total", AUTH)
     body = {"model": NAME, "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
 
     async def open_streams_then_leave(n: int) -> float:
@@ -119,7 +119,7 @@ def test_disconnected_clients_free_their_kv_blocks(cli) -> None:
                 readers.append((await stream.__aenter__()).aiter_lines())
                 while not (await anext(readers[-1])).startswith("data: {"):
                     pass  # until generation has started: the request holds KV blocks
-            in_use = metric(cli.url, "tformer_kv_blocks_in_use")
+            in_use = metric(cli.url, "tformer_kv_blocks_in_use", AUTH)
             for stream in streams:
                 await stream.__aexit__(None, None, None)  # unread: httpx closes the connection
         return in_use
@@ -133,11 +133,11 @@ def test_disconnected_clients_free_their_kv_blocks(cli) -> None:
             timeout=httpx.Timeout(30, read=0.5),
         )
     deadline = time.monotonic() + 30
-    while metric(cli.url, "tformer_kv_blocks_in_use") > 0:
+    while metric(cli.url, "tformer_kv_blocks_in_use", AUTH) > 0:
         assert time.monotonic() < deadline, "KV blocks were not freed after the clients left"
         time.sleep(0.1)
-    assert metric(cli.url, "tformer_requests_aborted_total") == aborted + 7
-    assert metric(cli.url, "tformer_requests_running") == 0
+    assert metric(cli.url, "tformer_requests_aborted_total", AUTH) == aborted + 7
+    assert metric(cli.url, "tformer_requests_running", AUTH) == 0
 
 
 def test_sigterm_lets_streams_finish_then_exits(cli) -> None:

@@ -31,7 +31,7 @@ def generate(
     frequency_penalty: float = 0.0,
     seed: int | None = None,
     chat: bool = True,
-    quantize: str | None = None,
+    quantize: str = "auto",
     dtype: str = "auto",
     compile: bool = False,
     draft_model: str | None = None,
@@ -54,7 +54,9 @@ def generate(
     frequency_penalty: subtracted per occurrence of each token in the output (-2..2)
     chat: wrap each prompt as a user message with the tokenizer's chat template, when it has one
     quantize: int8 or int4 (integer weights; activations rounded finely, in two int8 steps) or w8a8 (weights and
-      activations in one int8 step, x86) for the linear layers (default: none)
+      activations in one int8 step, x86) for the linear layers; none for float weights; auto (the default) serves
+      a quantized .gguf file as stored, as llama.cpp does (4- and 5-bit types as int4, 6- and 8-bit as int8), and
+      every other model in floats
     dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
     compile: run decode steps through torch.compile: the first run spends a few minutes compiling (SmolLM2 INT4 on
       a 2-core Xeon: 4 minutes), later runs about 40 s, reusing the kernels cached under ~/.cache/tformer
@@ -154,7 +156,7 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     model_name: str | None = None,
-    quantize: str | None = None,
+    quantize: str = "auto",
     dtype: str = "auto",
     max_model_len: int = 0,
     max_seqs: int = 64,
@@ -165,6 +167,11 @@ def serve(
     draft_quantize: str | None = None,
     speculative_tokens: int = 4,
     kv_cache_dtype: str = "auto",
+    max_waiting: int = 512,
+    max_body_mb: float = 8.0,
+    request_timeout: float = 600.0,
+    shutdown_timeout: float = 10.0,
+    max_embedding_tokens: int = 65536,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1, /metrics) and a web playground at / (chat, runs, ...).
 
@@ -176,10 +183,13 @@ def serve(
     runs: a directory of training runs (each with a metrics.jsonl) for the playground's dashboard (default: none)
     host: address to bind; the default, loopback, accepts no other machine (0.0.0.0 accepts all)
     port: TCP port to listen on
-    api_key: require 'Authorization: Bearer KEY' on /v1 routes (default: $TFORMER_API_KEY, else none)
+    api_key: require 'Authorization: Bearer KEY' on every route but /health and the page at / (default:
+      $TFORMER_API_KEY, else none; prefer the variable: a flag shows in `ps`)
     model_name: the model id clients send and /v1/models lists (default: the file or directory name)
     quantize: int8 or int4 (integer weights; activations rounded finely, in two int8 steps) or w8a8 (weights and
-      activations in one int8 step, x86) for the linear layers (default: none)
+      activations in one int8 step, x86) for the linear layers; none for float weights; auto (the default) serves
+      a quantized .gguf file as stored, as llama.cpp does (4- and 5-bit types as int4, 6- and 8-bit as int8), and
+      every other model in floats
     dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
     max_model_len: the context a request may fill, prompt and output (default 0: the model's)
     max_seqs: requests decoded together in one continuous batch
@@ -193,9 +203,31 @@ def serve(
     speculative_tokens: draft tokens per decode step, with a draft model
     kv_cache_dtype: auto (the model's dtype) or int8 (keys and values as int8 with a scale per token and head:
       about half bf16's bytes, so more tokens fit and long contexts decode faster; perplexity in docs/engine.md)
+    max_waiting: requests that may wait beside the --max-seqs running; more get 503 with Retry-After
+    max_body_mb: the largest request body, in MiB; a larger one gets 413 before it is read
+    request_timeout: seconds a request may take from its arrival; then it ends with finish_reason "timeout" (0: none)
+    shutdown_timeout: seconds running requests get to finish on SIGTERM / SIGINT; then each ends with an error
+      (a stream with an error chunk and [DONE])
+    max_embedding_tokens: the most tokens one /v1/embeddings request may embed
     """
     from tformer.engine import EngineConfig
     from tformer.serve import run_server
+    from tformer.serve.middleware import ServerLimits
+
+    for name, value in (("max_waiting", max_waiting), ("max_embedding_tokens", max_embedding_tokens)):
+        if value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name, value in (("max_body_mb", max_body_mb), ("request_timeout", request_timeout)):
+        if value < 0 or (name == "max_body_mb" and value == 0):
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout must be at least 0, got {shutdown_timeout}")
+    limits = ServerLimits(
+        max_body_bytes=int(max_body_mb * (1 << 20)),
+        max_waiting=max_waiting,
+        request_timeout=request_timeout or None,
+        max_embedding_tokens=max_embedding_tokens,
+    )
 
     if compile:
         _keep_compiled_kernels()
@@ -225,6 +257,8 @@ def serve(
         draft_model=draft_model,
         draft_quantize=draft_quantize,
         runs_dir=runs,
+        limits=limits,
+        shutdown_timeout=shutdown_timeout,
     )
 
 

@@ -18,6 +18,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
@@ -27,12 +28,26 @@ from typing import Any
 from tformer.engine import Engine, RequestError, RequestOutput, SamplingParams
 from tformer.engine.embedding import EmbeddingEngine
 from tformer.engine.requests import ContextWindow
+from tformer.engine.sampler import isolated
 
 logger = logging.getLogger(__name__)
 
 
 class EngineStopped(RuntimeError):
     """The engine stopped (the server is shutting down, or a step failed) before the request finished."""
+
+
+class EngineBusy(RuntimeError):
+    """More requests wait than `max_waiting` allows: the caller should retry later."""
+
+
+class RequestFailed(RuntimeError):
+    """The request failed alone (the engine went on with the others); `client_error` when its own parameters were
+    at fault rather than the server."""
+
+    def __init__(self, message: str, client_error: bool = False) -> None:
+        super().__init__(message)
+        self.client_error = client_error
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     sink: _Sink
+    deadline: float | None = None  # time.monotonic() after which the request ends with finish_reason "timeout"
 
 
 @dataclass
@@ -99,10 +115,20 @@ class AsyncEngine:
 
     `await add(...)` queues a request (raising `RequestError` when the engine refuses it); `stream(id)` yields
     its `RequestOutput`s and aborts the request if the caller stops early; `generate(...)` does both.
+
+    Limits: with `max_waiting`, a request beyond `max_seqs` running and `max_waiting` waiting is refused with
+    `EngineBusy`; with `request_timeout` (seconds), a request still unfinished that long after it was added ends
+    with finish_reason "timeout" and its blocks return to the pool. A request that fails alone ends with
+    `RequestFailed`; if the engine thread dies anyway, every request waiting on it gets `EngineStopped` at once.
     """
 
-    def __init__(self, engine: Engine | EmbeddingEngine) -> None:
+    def __init__(
+        self, engine: Engine | EmbeddingEngine, max_waiting: int | None = None, request_timeout: float | None = None
+    ) -> None:
         self.engine = engine
+        self.max_waiting = max_waiting
+        self.request_timeout = request_timeout
+        self._deadlines: dict[str, float] = {}  # the engine thread's: request id -> when it times out
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # the callers' side: touched only from event loops
         self.num_cancelled = 0  # requests that ended before finishing (the caller left, or the engine stopped)
@@ -113,14 +139,15 @@ class AsyncEngine:
         self._stats = EngineStats(blocks_total=engine.allocator.pool.num_blocks if engine.generates else 0)
 
     @classmethod
-    def launch(cls, build: Callable[[], Engine | EmbeddingEngine]) -> AsyncEngine:
+    def launch(cls, build: Callable[[], Engine | EmbeddingEngine], **limits: Any) -> AsyncEngine:
         """Runs `build()` on a new engine thread, then serves from that thread; returns once the engine is built
-        (or raises what `build` raised). Loading, warm-up and every step then share one OpenMP team."""
+        (or raises what `build` raised). Loading, warm-up and every step then share one OpenMP team. `limits` are
+        `max_waiting` and `request_timeout`."""
         built: concurrent.futures.Future[AsyncEngine] = concurrent.futures.Future()
 
         def build_and_run() -> None:
             try:
-                async_engine = cls(build())
+                async_engine = cls(build(), **limits)
             except BaseException as err:  # noqa: BLE001 -- handed to the caller waiting on `built`
                 built.set_exception(err)
                 return
@@ -139,14 +166,23 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="tformer-engine", daemon=True)
             self._thread.start()
 
-    def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stops the engine thread; requests still in flight end with `EngineStopped`. Idempotent."""
+    def _capacity(self) -> int:
+        """Requests that may be in flight at once: `max_seqs` running and `max_waiting` waiting."""
+        running = self.engine.config.max_seqs if self.engine.generates else 0
+        return running + (self.max_waiting or 0)
+
+    def stop(self) -> None:
+        """Tells the engine thread to stop without waiting for it (safe from an event loop): requests still in
+        flight end with `EngineStopped`. Idempotent."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._commands.put(_Stop())
-        if self._thread is not None:
+            if not self._closed:
+                self._closed = True
+                self._commands.put(_Stop())
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stops the engine thread and waits for it; requests still in flight end with `EngineStopped`."""
+        self.stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     @property
@@ -171,13 +207,16 @@ class AsyncEngine:
         """Queues a request and waits until the engine takes it; raises `RequestError` if it refuses."""
         if request_id in self._sinks:
             raise RequestError(f"request id {request_id!r} is already in use")
+        if self.max_waiting is not None and len(self._sinks) >= self._capacity():
+            raise EngineBusy(f"{len(self._sinks)} requests are in flight, {self.max_waiting} of them may wait; retry")
         sink = _Sink(asyncio.get_running_loop(), params.n)
         prompt = prompt if isinstance(prompt, str) else list(prompt)
+        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
         with self._lock:
             if self._closed or not self.is_running:
                 raise EngineStopped("the engine is not running (the server is shutting down)")
             self._sinks[request_id] = sink
-            self._commands.put(_Add(request_id, prompt, params, sink))
+            self._commands.put(_Add(request_id, prompt, params, sink, deadline))
         try:
             event = await sink.queue.get()
         except BaseException:  # cancelled while waiting: the add may still land, so abort it behind the add
@@ -278,18 +317,27 @@ class AsyncEngine:
     # the engine thread -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        running = True
-        while running:
-            try:
-                running = self._apply_commands(block=not self.engine.has_unfinished())
-                if running and self.engine.has_unfinished():
-                    self._step()
-            except Exception as err:  # noqa: BLE001 -- a failed step must not kill the server's only engine thread
-                logger.exception("engine step failed; failing the requests in flight")
-                self._fail_all(EngineStopped(f"the engine failed: {type(err).__name__}: {err}"))
+        running, farewell = True, "the server is shutting down; the request was cancelled"
+        try:
+            while running:
+                try:
+                    running = self._apply_commands(block=not self.engine.has_unfinished())
+                    self._expire()
+                    if running and self.engine.has_unfinished():
+                        self._step()
+                except BaseException as err:  # a failed step must not kill the server's only engine thread
+                    if not isolated(err):
+                        farewell = f"the engine stopped: {type(err).__name__}"
+                        raise
+                    logger.exception("engine step failed; failing the requests in flight")
+                    self._fail_all(EngineStopped(f"the engine failed: {type(err).__name__}: {err}"))
+                self._publish_stats()
+        finally:  # however the thread ends, nobody waits on it: in flight, or still in the command queue
+            with self._lock:
+                self._closed = True
+            self._fail_all(EngineStopped(farewell))
+            self._fail_queued(EngineStopped(farewell))
             self._publish_stats()
-        self._fail_all(EngineStopped("the server is shutting down; the request was cancelled"))
-        self._publish_stats()
 
     def _apply_commands(self, block: bool) -> bool:
         """Applies every queued command (waiting for one if `block`); False once told to stop."""
@@ -308,31 +356,71 @@ class AsyncEngine:
             if command.future.set_running_or_notify_cancel():
                 try:
                     command.future.set_result(command.fn())
-                except Exception as err:  # noqa: BLE001 -- the caller gets it
-                    command.future.set_exception(err)
+                except BaseException as err:  # the caller gets it
+                    if not isolated(err):
+                        raise
+                    command.future.set_exception(err if isinstance(err, Exception) else RuntimeError(repr(err)))
             return
         if isinstance(command, _Abort):
             self.engine.abort(command.request_id)
             self._live.pop(command.request_id, None)
+            self._deadlines.pop(command.request_id, None)
             return
         try:
             self.engine.add_request(command.prompt, command.params, command.request_id)
         except RequestError as err:
             command.sink.put(err)
             return
+        except BaseException as err:  # the engine's fault, not the request's: this request fails alone
+            if not isolated(err):
+                raise
+            logger.exception("adding request %s failed", command.request_id)
+            command.sink.put(RequestFailed(f"the engine could not add the request: {type(err).__name__}: {err}"))
+            return
         self._live[command.request_id] = command.sink
+        if command.deadline is not None:
+            self._deadlines[command.request_id] = command.deadline
         command.sink.put(_ACCEPTED)
 
     def _step(self) -> None:
-        for output in self.engine.step():
+        self._deliver(self.engine.step())
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
             sink = self._live.get(output.request_id)
             if sink is None:
                 continue
-            sink.put(output)
-            sink.unfinished -= output.finished
+            if output.error is not None:  # failed alone: its samples all end with the error
+                sink.put(RequestFailed(output.error.message, output.error.client_error))
+                sink.unfinished = 0
+            else:
+                sink.put(output)
+                sink.unfinished -= output.finished
             if not sink.unfinished:
                 del self._live[output.request_id]
+                self._deadlines.pop(output.request_id, None)
                 self.engine.abort(output.request_id)  # every sample finished: this only forgets their books
+
+    def _expire(self) -> None:
+        """Ends the requests whose deadline has passed, with finish_reason "timeout"."""
+        if not self._deadlines:
+            return
+        now = time.monotonic()
+        for request_id in [rid for rid, deadline in self._deadlines.items() if deadline <= now]:
+            self._deadlines.pop(request_id)
+            self._deliver(self.engine.finish_request(request_id, "timeout"))
+
+    def _fail_queued(self, error: EngineStopped) -> None:
+        """Answers the commands still queued behind a stop: their callers would wait forever."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                command.sink.put(error)
+            elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(error)
 
     def _fail_all(self, error: EngineStopped) -> None:
         for request_id, sink in list(self._live.items()):
@@ -342,6 +430,7 @@ class AsyncEngine:
                 logger.exception("could not abort %s", request_id)
             sink.put(error)
         self._live.clear()
+        self._deadlines.clear()
 
     def _publish_stats(self) -> None:
         engine = self.engine

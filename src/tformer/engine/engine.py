@@ -23,24 +23,27 @@ detokenizes and applies the stop rules.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from tformer.config import ConfigError
 from tformer.engine.beams import BeamGroup
 from tformer.engine.blocks import BlockAllocator
-from tformer.engine.outputs import Completion, OutputProcessor, RequestOutput, accumulate
+from tformer.engine.outputs import Completion, OutputProcessor, RequestFailure, RequestOutput, accumulate
 from tformer.engine.paged import KV_CACHE_DTYPES, kv_bytes_per_token, paged_cache_for
 from tformer.engine.requests import ContextWindow, InputProcessor, Request
 from tformer.engine.runner import StepBatch, group_by_width, make_runner, step_inputs
-from tformer.engine.sampler import ModelOutput, Sampler, SamplerOutput, ScoredRows, Verification
+from tformer.engine.sampler import ModelOutput, Sampled, Sampler, SamplerOutput, ScoredRows, Verification, isolated
 from tformer.engine.sampling import RequestError, SamplingParams, TokenLogprob
 from tformer.engine.scheduler import Scheduler, SchedulerOutput, SequenceState, Status
 from tformer.engine.speculative import Drafter, SpeculativeStats, check_draft
 from tformer.engine.text import TextCodec
 from tformer.models import DecoderLM, TransformerModel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -153,8 +156,12 @@ class Engine:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has no context to be predicted from
         self.requests[request_id] = request
-        self.outputs.add(request_id, 0, params)
-        self.scheduler.add_request(seq)
+        try:
+            self.outputs.add(request_id, 0, params)
+            self.scheduler.add_request(seq)
+        except BaseException:  # nothing of a refused request stays in the books
+            self.abort(request_id)
+            raise
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -166,6 +173,27 @@ class Engine:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "abort")
         self.outputs.forget(request_id, request.params.n)
+
+    def finish_request(self, request_id: str, reason: str) -> list[RequestOutput]:
+        """Ends a request from outside (a timeout, say): the last output of each unfinished sample (a beam search's
+        one), with `reason` as its finish reason and the text it held back; its blocks return to the pool."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return []
+        live = [seq for seq in request.sequences() if seq.status is not Status.FINISHED]
+        ends = {seq.index: self.outputs.finish(seq, reason) for seq in live}  # a beam search's beams: one output
+        self.abort(request_id)
+        return list(ends.values())
+
+    def _fail(self, seq: SequenceState, err: BaseException) -> RequestOutput:
+        """Fails the request of `seq` alone: its sequences end, their blocks return to the pool, and one output
+        says why (it ends all its samples)."""
+        client = isinstance(err, RequestError)
+        trace = None if client else err
+        logger.warning("request %s failed: %s: %s", seq.request_id, type(err).__name__, err, exc_info=trace)
+        self.abort(seq.request_id)
+        message = str(err) if client else f"the request failed in the engine: {type(err).__name__}: {err}"
+        return RequestOutput(seq.request_id, [], "", True, "error", error=RequestFailure(message, client))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -253,21 +281,35 @@ class Engine:
     def _process(self, sampled: SamplerOutput) -> list[RequestOutput]:
         """The sampled tokens become outputs: a request's first token forks its other samples, a beam's logits go
         to its group, and each new token is detokenized under the stop rules (a sequence that stops is finished)."""
-        outputs = []
+        outputs: list[RequestOutput] = []
         for sample in sampled.samples:
             seq = sample.seq
-            if sample.beam_logits is not None:
-                outputs += self._beam_step(self.requests[seq.request_id], seq, sample.beam_logits)
+            if seq.request_id not in self.requests:  # failed earlier in this step (another of its samples)
                 continue
-            forks = []
-            if sample.forks:  # forked before the parent may finish and free the prompt's blocks
-                forks = self.requests[seq.request_id].fork(seq, self.allocator, sample.forks)
-                for child in forks:
-                    self.outputs.add(seq.request_id, child.index, seq.params)
-                self.scheduler.add_running(forks)
-            outputs += self._append(seq, sample.tokens, sample.logprob)
-            for child, fork in zip(forks, sample.forks, strict=True):
-                outputs += self._append(child, [fork.token], fork.logprob)
+            if sample.error is not None:
+                outputs.append(self._fail(seq, sample.error))
+                continue
+            try:
+                outputs += self._outputs_of(sample)
+            except BaseException as err:  # detokenizing, a stop rule, a beam's books: this request alone
+                if not isolated(err):
+                    raise
+                outputs.append(self._fail(seq, err))
+        return outputs
+
+    def _outputs_of(self, sample: Sampled) -> list[RequestOutput]:
+        seq = sample.seq
+        if sample.beam_logits is not None:
+            return self._beam_step(self.requests[seq.request_id], seq, sample.beam_logits)
+        forks = []
+        if sample.forks:  # forked before the parent may finish and free the prompt's blocks
+            forks = self.requests[seq.request_id].fork(seq, self.allocator, sample.forks)
+            for child in forks:
+                self.outputs.add(seq.request_id, child.index, seq.params)
+            self.scheduler.add_running(forks)
+        outputs = self._append(seq, sample.tokens, sample.logprob)
+        for child, fork in zip(forks, sample.forks, strict=True):
+            outputs += self._append(child, [fork.token], fork.logprob)
         return outputs
 
     def _append(self, seq: SequenceState, tokens: list[int], logprob: TokenLogprob | None) -> list[RequestOutput]:
@@ -319,7 +361,8 @@ class Engine:
     ) -> list[Completion]:
         """Runs every prompt to completion (continuous batching among them).
 
-        Results come in prompt order, and for a prompt with n samples, its n completions by `index`.
+        Results come in prompt order, and for a prompt with n samples, its n completions by `index`. A request
+        that failed alone (its finish_reason "error") says why in its `error`; the others run on.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -333,7 +376,10 @@ class Engine:
         }
         while any(c.finish_reason is None for c in done.values()):
             for out in self.step():
-                if (out.request_id, out.index) in done:
+                if out.error is not None:  # the request failed alone: every sample of it ends with the error
+                    for i in range(params_list[ids.index(out.request_id)].n):
+                        accumulate(done[out.request_id, i], replace(out, index=i))
+                elif (out.request_id, out.index) in done:
                     accumulate(done[out.request_id, out.index], out)
         for rid in ids:
             self.abort(rid)  # finished already: this only forgets the request
@@ -342,7 +388,8 @@ class Engine:
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields the request's tokens and text as they are produced (other requests keep running).
 
-        With n > 1 samples, outputs of all samples interleave; `index` tells them apart.
+        With n > 1 samples, outputs of all samples interleave; `index` tells them apart. A request that fails
+        alone ends with one output whose `error` says why.
         """
         params = params or SamplingParams()
         rid = self.add_request(prompt, params)
@@ -351,7 +398,7 @@ class Engine:
             while unfinished:
                 for out in self.step():
                     if out.request_id == rid:
-                        unfinished -= out.finished
+                        unfinished = 0 if out.error is not None else unfinished - out.finished
                         yield out
         finally:
             self.abort(rid)

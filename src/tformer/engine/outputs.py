@@ -23,6 +23,17 @@ class RequestOutput:
     index: int = 0  # which of the request's samples (SamplingParams.n)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on sample 0's first output, when asked
+    # a request that failed alone (finish_reason "error"): what went wrong; this one output ends all its samples
+    error: RequestFailure | None = None
+
+
+@dataclass
+class RequestFailure:
+    """Why a request failed alone while the others went on: `message` says why, and `client_error` tells whether
+    the request itself was at fault (say, parameters that made its logits non-finite) rather than the server."""
+
+    message: str
+    client_error: bool = False
 
 
 @dataclass
@@ -37,6 +48,7 @@ class Completion:
     index: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token, with `SamplingParams.logprobs`
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, with `prompt_logprobs`
+    error: str | None = None  # finish_reason "error": why the request failed
 
 
 def accumulate(completion: Completion, out: RequestOutput) -> None:
@@ -49,6 +61,8 @@ def accumulate(completion: Completion, out: RequestOutput) -> None:
         completion.prompt_logprobs = out.prompt_logprobs
     if out.finished:
         completion.finish_reason = out.finish_reason
+    if out.error is not None:
+        completion.error = out.error.message
 
 
 class OutputProcessor:
@@ -95,6 +109,12 @@ class OutputProcessor:
             text += tracker.flush()
         logprobs = None if logprob is None else [logprob]
         return RequestOutput(seq.request_id, [token], text, reason is not None, reason, seq.index, logprobs)
+
+    def finish(self, seq: SequenceState, reason: str) -> RequestOutput:
+        """The last output of a sample ended from outside (a timeout): the text it still held back, no token."""
+        tracker = self._texts.get((seq.request_id, seq.index))
+        text = "" if tracker is None else tracker.flush()
+        return RequestOutput(seq.request_id, [], text, True, reason, seq.index)
 
     def beam_result(self, request_id: str, tokens: list[int], ended: bool) -> RequestOutput:
         """The one output of a finished beam search: its best hypothesis whole (with </s> if it `ended`)."""

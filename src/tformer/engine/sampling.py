@@ -19,6 +19,10 @@ from tformer.errors import RequestError
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # alternatives a token's log-probabilities may list (OpenAI's top_logprobs limit)
 MAX_BIAS = 100.0  # OpenAI's logit_bias range: -100 bans a token, +100 all but forces it
+# repetition_penalty divides or multiplies logits by itself: within these bounds finite logits stay finite
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_LENGTH_PENALTY = 10.0  # beam search's alpha: ((5 + |y|) / 6) ** alpha stays finite in float32 at long lengths
+MAX_STOP_CHARS = 256  # a stop string's length: the stop search costs time in its square per token
 
 
 @dataclass
@@ -85,6 +89,8 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise RequestError(f"a stop string may hold at most {MAX_STOP_CHARS} characters")
         self._check_adjustments()
         self._check_structured()
         self._check_beam_search()
@@ -112,9 +118,14 @@ class SamplingParams:
         if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
             limit = f"[0, max_tokens={self.max_tokens}]"
             raise RequestError(f"min_tokens must be an integer in {limit}, got {self.min_tokens!r}")
-        penalty = self.repetition_penalty
-        if not (isinstance(penalty, (int, float)) and math.isfinite(penalty) and penalty > 0):
-            raise RequestError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {penalty!r}")
+        penalty, (low, high) = self.repetition_penalty, REPETITION_PENALTY_RANGE
+        if not (isinstance(penalty, (int, float)) and low <= penalty <= high):
+            raise RequestError(
+                f"repetition_penalty must be a number in [{low}, {high}] (1 disables it), got {penalty!r}"
+            )
+        for token in self.stop_token_ids:
+            if not isinstance(token, int) or token < 0:
+                raise RequestError(f"stop_token_ids must be token ids (non-negative integers), got {token!r}")
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or token < 0:
                 raise RequestError(f"logit_bias keys must be token ids (non-negative integers), got {token!r}")
@@ -130,8 +141,11 @@ class SamplingParams:
     def _check_beam_search(self) -> None:
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
             raise RequestError(f"beam_width must be a positive integer (1: no beam search), got {self.beam_width!r}")
-        if not (isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty)):
-            raise RequestError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        alpha = self.length_penalty
+        if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and abs(alpha) <= MAX_LENGTH_PENALTY):
+            raise RequestError(
+                f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], got {alpha!r}"
+            )
         if self.beam_width > 1 and (self.n > 1 or self.stop or self.stop_token_ids):
             raise RequestError(
                 "beam search returns one hypothesis and stops at end-of-sequence or max_tokens: "

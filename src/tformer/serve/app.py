@@ -25,17 +25,18 @@ from starlette.types import Receive, Scope, Send
 from tformer.data import DataError
 from tformer.data.tokenizer import Tokenizer
 from tformer.engine import ContextLengthError, RequestOutput, SamplingParams
-from tformer.engine.async_engine import AsyncEngine, EngineStopped
+from tformer.engine.async_engine import AsyncEngine, EngineBusy, EngineStopped, RequestFailed
 from tformer.serve.embeddings import add_embedding_routes
 from tformer.serve.errors import APIError, error_body, install_error_handlers
 from tformer.serve.formats import ChatFormat, CompletionFormat, Echo, Sample, new_id, usage
 from tformer.serve.metrics import Metrics
-from tformer.serve.middleware import ApiKeyMiddleware, RequestCounter
+from tformer.serve.middleware import RequestCounter, ServerLimits, add_guards
 from tformer.serve.playground import add_playground
 from tformer.serve.protocol import UNION_FORMS, ChatMessage, ChatRequest, CompletionRequest
 from tformer.serve.tokenize import add_tokenizer_routes
 
 SSE_DONE = "data: [DONE]\n\n"
+RETRY_AFTER = "1"  # seconds a client turned away by --max-waiting should wait before it tries again
 
 
 def _event(payload: dict[str, Any]) -> str:
@@ -45,10 +46,13 @@ def _event(payload: dict[str, Any]) -> str:
 class Server:
     """What the routes share: the engine, the tokenizer, the served model's name and the metrics."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str) -> None:
+    def __init__(
+        self, engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str, limits: ServerLimits | None = None
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.limits = limits or ServerLimits()
         self.metrics = Metrics()
         self.created = int(time.time())
 
@@ -78,6 +82,12 @@ class Server:
         except UnicodeEncodeError as err:  # JSON's "\ud800" escapes decode to lone surrogates
             raise APIError(400, f"{param} is not valid Unicode ({err.reason} at {err.start})", param=param) from None
         return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        """A 400 naming `param` when a token id is outside the model's vocabulary (checked before any is decoded)."""
+        vocab = self.engine.engine.model.config.vocab_size
+        if ids and not 0 <= min(ids) <= max(ids) < vocab:
+            raise APIError(400, f"token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}", param=param)
 
     def token_text(self, token: int | list[int], whole: bool = False) -> str:
         """One token's text, for log-probabilities (a byte-level piece of a character decodes to U+FFFD, as in
@@ -158,6 +168,12 @@ class Server:
         except EngineStopped as err:
             release()
             raise APIError(503, str(err)) from None
+        except EngineBusy as err:
+            release()
+            raise APIError(503, str(err), code="server_busy", headers={"Retry-After": RETRY_AFTER}) from None
+        except RequestFailed as err:  # the engine could not add it (its fault, not the request's)
+            release()
+            raise APIError(_status(err), str(err)) from None
         except BaseException:
             release()
             raise
@@ -224,8 +240,9 @@ class Server:
                             yield event(chunk)
                     if out.finished:
                         yield event(fmt.last_chunk(out.finish_reason, out.index))
-            except EngineStopped as err:
-                yield _event(error_body(503, str(err)))
+            except (EngineStopped, RequestFailed) as err:  # the request ended early: say why, then end the stream
+                yield _event(error_body(_status(err), str(err)))
+                yield SSE_DONE
                 return
             if include_usage:
                 yield _event(fmt.usage_chunk(usage(prompt_tokens, generated)))
@@ -248,9 +265,17 @@ class Server:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         try:
             samples, generated = collect.result()
-        except EngineStopped as err:
-            raise APIError(503, str(err)) from None
+        except (EngineStopped, RequestFailed) as err:
+            raise APIError(_status(err), str(err)) from None
         return JSONResponse(fmt.response(samples, usage(prompt_tokens, generated)))
+
+
+def _status(err: EngineStopped | RequestFailed) -> int:
+    """The HTTP status of a request that ended early: 400 when its own parameters failed it, 503 when the engine
+    stopped, 500 when the engine failed it."""
+    if isinstance(err, EngineStopped):
+        return 503
+    return 400 if err.client_error else 500
 
 
 class _EventStream(StreamingResponse):
@@ -331,7 +356,12 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         server.check_generates()
         body.check_supported()
         given = body.prompts()
-        prompts = [server.encode(p, "prompt") if isinstance(p, str) else p for p in given]
+        for p in given:
+            if not isinstance(p, str):
+                server.check_ids(p, "prompt")  # before an echo decodes them
+        prompts = await asyncio.to_thread(
+            lambda: [server.encode(p, "prompt") if isinstance(p, str) else p for p in given]
+        )
         max_tokens = body.tokens_to_generate()
         for ids in prompts:
             server.check_fits(len(ids), max(max_tokens, 1), "prompt", "max_tokens")
@@ -349,7 +379,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         server.check_generates()
         body.check_supported()
         tools = body.tool_calls()
-        ids = server.chat_prompt(body.messages, tools=body.template_tools())
+        ids = await asyncio.to_thread(server.chat_prompt, body.messages, True, body.template_tools())
         tokens_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         max_tokens = (
             body.max_completion_tokens or body.max_tokens or max(server.engine.context.max_new_tokens(len(ids)), 1)
@@ -366,9 +396,11 @@ def create_app(
     model_name: str,
     api_key: str | None = None,
     runs_dir: str | os.PathLike[str] | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The ASGI app; its lifespan starts the engine thread and stops it when the server shuts down. The web
-    playground is at `/`; its dashboard lists the training runs under `runs_dir`, if given."""
+    playground is at `/`; its dashboard lists the training runs under `runs_dir`, if given. `limits` bound what a
+    client may ask (the engine's own, `max_waiting` and `request_timeout`, are the AsyncEngine's)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -378,7 +410,7 @@ def create_app(
         finally:
             await asyncio.to_thread(engine.shutdown)
 
-    server = Server(engine, tokenizer, model_name)
+    server = Server(engine, tokenizer, model_name, limits)
     app = FastAPI(title="tformer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     install_error_handlers(app, UNION_FORMS)
@@ -387,7 +419,6 @@ def create_app(
     add_tokenizer_routes(app, server)
     add_embedding_routes(app, server)
     add_playground(app, server, runs_dir)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    add_guards(app, api_key, server.limits)
     app.add_middleware(RequestCounter, metrics=server.metrics)  # added last: the outermost, so it counts 401s
     return app

@@ -27,12 +27,20 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 class APIError(Exception):
     """An error to send to the client as an OpenAI error object with this HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -48,14 +56,20 @@ class _AsciiJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    headers = {**({"WWW-Authenticate": "Bearer"} if status == 401 else {}), **(headers or {})}
     return _AsciiJSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def _api_error(_: Request, err: Exception) -> JSONResponse:
     assert isinstance(err, APIError)
-    return error_response(err.status, err.message, err.param, err.code)
+    return error_response(err.status, err.message, err.param, err.code, err.headers)
 
 
 def _validation_handler(union_forms: dict[str, str]) -> Callable[[Request, Exception], JSONResponse]:

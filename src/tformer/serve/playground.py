@@ -28,7 +28,7 @@ from tformer.engine.async_engine import EngineStopped
 from tformer.errors import TformerError
 from tformer.serve.errors import APIError, install_error_handlers
 from tformer.serve.formats import new_id, usage
-from tformer.serve.middleware import ApiKeyMiddleware
+from tformer.serve.middleware import ServerLimits, add_guards
 from tformer.serve.protocol import UNION_FORMS, TranslationRequest
 from tformer.serve.runs import LIVE_SECONDS, RunsDir
 
@@ -39,7 +39,9 @@ STATIC_DIR = Path(__file__).parent / "static"
 PAGE_HEADERS = {
     "Cache-Control": "no-cache",
     # this origin only: no CDN, no inline script or style (the heat map colours its cells through the CSSOM)
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:",
+    # frame-ancestors 'none': no other site may frame the page (clickjacking)
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
 }
 TRANSLATIONS = "/v1/translations"
 
@@ -149,7 +151,7 @@ def _add_runs_routes(app: FastAPI, runs: RunsDir | None) -> None:
 
     @app.get("/v1/runs/{run_id:path}")
     async def run_metrics(run_id: str, offset: str = "0") -> Response:
-        if not offset.isdigit():
+        if not (offset.isascii() and offset.isdigit() and len(offset) <= 20):  # '²'.isdigit() is True, int() fails
             raise APIError(400, f"offset must be a byte offset (an integer >= 0), got {offset!r}", param="offset")
         read = await asyncio.to_thread(need_runs().read, run_id, int(offset))
         if read is None:
@@ -169,7 +171,9 @@ def _add_runs_routes(app: FastAPI, runs: RunsDir | None) -> None:
         )
 
 
-def create_dashboard_app(runs_dir: str | os.PathLike[str], api_key: str | None = None) -> FastAPI:
+def create_dashboard_app(
+    runs_dir: str | os.PathLike[str], api_key: str | None = None, limits: ServerLimits | None = None
+) -> FastAPI:
     """The playground with only its dashboard, for `tformer serve --runs DIR` without a model: nothing to load."""
 
     app = FastAPI(title="tformer", docs_url=None, redoc_url=None, openapi_url=None)
@@ -180,6 +184,5 @@ def create_dashboard_app(runs_dir: str | os.PathLike[str], api_key: str | None =
         return JSONResponse({"status": "ok"})
 
     add_playground(app, None, runs_dir)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    add_guards(app, api_key, limits or ServerLimits())
     return app

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tformer.engine import SamplingParams, StructuredOutput
+from tformer.engine.sampling import MAX_LENGTH_PENALTY, REPETITION_PENALTY_RANGE
 from tformer.errors import RequestError
 from tformer.serve.errors import APIError
 from tformer.serve.tools import Tool, ToolCalls
@@ -21,7 +22,6 @@ MAX_SAMPLES = 16  # n: more parallel samples of one prompt than this is a 400
 MAX_CHOICES = 256  # a batch of prompts times n: more choices than this in one completion is a 400
 MIN_TEMPERATURE = 0.01  # below this, logits / T overflows float32; the distribution is already one-hot
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what torch.Generator.manual_seed takes
-Finite = Annotated[float, Field(allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]  # OpenAI's presence and frequency range
 Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 
@@ -55,10 +55,12 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_SAMPLES)  # samples of one prompt: they share its KV blocks (copy-on-write)
     beam_width: int = Field(1, ge=1, le=MAX_SAMPLES)  # an extension: beam search, the best hypothesis returned
-    length_penalty: Finite = 0.6  # an extension: beam search's GNMT alpha
+    # an extension: beam search's GNMT alpha, bounded so that the penalty stays finite
+    length_penalty: float = Field(0.6, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, allow_inf_nan=False)
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # an extension (vLLM's); 1 disables it
+    # an extension (vLLM's); 1 disables it; bounded so that finite logits stay finite
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)  # an extension (vLLM's, llama.cpp's); 0: off
     min_tokens: int = Field(0, ge=0)  # an extension (vLLM's): no end-of-sequence or stop token before this many
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None  # vLLM's

@@ -7,6 +7,7 @@ ids (its remote tokenizer), which a machine without a model hub needs. The bodie
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI
@@ -45,6 +46,17 @@ def _tokenizer(server: Server, param: str) -> Tokenizer:
     return server.tokenizer
 
 
+def _tokenized(server: Server, tokenizer: Tokenizer, body: TokenizeRequest) -> dict[str, Any]:
+    if body.messages is not None:
+        ids = server.chat_prompt(body.messages, body.add_generation_prompt)
+    else:
+        ids = server.encode(body.prompt or "", "prompt", add_bos=None if body.add_special_tokens else False)
+    answer: dict[str, Any] = {"count": len(ids), "max_model_len": server.engine.max_model_len, "tokens": ids}
+    if body.return_token_strs:
+        answer["token_strs"] = [tokenizer.decode([token], skip_special_tokens=False) for token in ids]
+    return answer
+
+
 def add_tokenizer_routes(app: FastAPI, server: Server) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -52,14 +64,8 @@ def add_tokenizer_routes(app: FastAPI, server: Server) -> None:
         tokenizer = _tokenizer(server, "prompt")
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either a prompt or messages", param="prompt")
-        if body.messages is not None:
-            ids = server.chat_prompt(body.messages, body.add_generation_prompt)
-        else:
-            ids = server.encode(body.prompt, "prompt", add_bos=None if body.add_special_tokens else False)
-        answer: dict[str, Any] = {"count": len(ids), "max_model_len": server.engine.max_model_len, "tokens": ids}
-        if body.return_token_strs:
-            answer["token_strs"] = [tokenizer.decode([token], skip_special_tokens=False) for token in ids]
-        return JSONResponse(answer)
+        # off the event loop: a long text takes seconds to tokenize, and every other client would wait
+        return JSONResponse(await asyncio.to_thread(_tokenized, server, tokenizer, body))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
@@ -67,7 +73,7 @@ def add_tokenizer_routes(app: FastAPI, server: Server) -> None:
         tokenizer = _tokenizer(server, "tokens")
         if body.tokens and not 0 <= min(body.tokens) <= max(body.tokens) < tokenizer.vocab_size:
             raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size})", param="tokens")
-        return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)})
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Response:
