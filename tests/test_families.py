@@ -429,3 +429,32 @@ def test_to_hf_refuses_an_architecture_that_cannot_hold_the_model(saved, tmp_pat
         to_hf(ours, tmp_path, architecture="Gemma3ForCausalLM")
     with pytest.raises(CheckpointError, match="not 'BertModel'"):
         to_hf(ours, tmp_path, architecture="BertModel")
+
+
+def test_multimodal_gemma3_loads_its_text_model(tmp_path: Path) -> None:
+    """Gemma3ForConditionalGeneration (the 4B-27B releases): the text model under language_model., its config in
+    text_config; the vision tower is left out with a warning, and text-only logits equal transformers'."""
+    from tformer.interop.hf import DroppedWeightsWarning
+
+    _, _, text = CASES["gemma3"]
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    config = transformers.Gemma3Config(
+        text_config={**text, "vocab_size": 100},
+        vision_config={**vision, "patch_size": 14},
+        mm_tokens_per_image=4,
+        boi_token_index=97,
+        eoi_token_index=98,
+        image_token_index=99,
+    )
+    torch.manual_seed(0)
+    theirs = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    theirs.save_pretrained(tmp_path)
+    with pytest.warns(DroppedWeightsWarning, match="vision tower"):
+        ours = from_hf(tmp_path)
+    ids = tokens(2, 12, 96, seed=4)
+    with torch.no_grad():
+        assert (ours(ids) - theirs(input_ids=ids).logits).abs().max().item() <= TOLERANCE
+    assert ours.config.rope_local_theta == 100.0 and ours.config.qk_norm

@@ -42,7 +42,7 @@ from tformer.interop.hf_encoders import (
     ROBERTA_TOKEN,
 )
 from tformer.interop.hf_files import WEIGHTS, WEIGHTS_INDEX, Weights, listed, open_weights
-from tformer.interop.hf_gemma import GEMMA2, GEMMA3
+from tformer.interop.hf_gemma import GEMMA2, GEMMA3, GEMMA3_MULTIMODAL
 from tformer.interop.hf_longformer import LONGFORMER_MLM, LONGFORMER_MODEL
 from tformer.interop.hf_moe import MIXTRAL, QWEN3_MOE
 from tformer.interop.hf_spec import COPY, SAME, Entry, Family, HFFields, Table, Transform, UnsupportedHFConfig
@@ -92,6 +92,7 @@ FAMILIES: dict[str, Family] = {
         PHI3,
         GEMMA2,
         GEMMA3,
+        GEMMA3_MULTIMODAL,
         MIXTRAL,
         QWEN3_MOE,
         BERT_MLM,
@@ -123,6 +124,7 @@ MODEL_TYPES: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "bert": "BertForMaskedLM",

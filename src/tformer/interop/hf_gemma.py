@@ -163,3 +163,34 @@ GEMMA3 = Family(  # transformers' Gemma 3 attention ignores attn_logit_softcappi
     ignored=LLAMA_IGNORED,
     loose=("n_encoder_layers", "max_seq_len"),
 )
+
+
+def _text_config(hf_config: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """A multimodal Gemma 3's text model: its text_config, with the head tying the outer config sets."""
+    text = hf_config.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedHFConfig("has no text_config, which Gemma3ForConditionalGeneration keeps its text model in")
+    return {**text, "tie_word_embeddings": hf_config.get("tie_word_embeddings", True)}
+
+
+def _multimodal_tensors(config: ModelConfig) -> tuple[Table, Table]:
+    base, head = _gemma_tensors(config)
+    return base, {f"language_model.{name}": entry for name, entry in head.items()}
+
+
+GEMMA3_MULTIMODAL = Family(  # read only (to_hf writes the text model as Gemma3ForCausalLM)
+    "Gemma3ForConditionalGeneration",
+    "gemma3",
+    {**GEMMA3.fixed, "final_logit_softcap": None},  # transformers applies no final cap here (the releases set none)
+    {ours: theirs for ours, theirs in GEMMA3.renames.items() if ours != "final_logit_softcap"},
+    GEMMA3.defaults,
+    _gemma3_in,
+    _gemma3_out,
+    _multimodal_tensors,
+    prefixes=("language_model.model.", "model.language_model."),
+    ignored=(*LLAMA_IGNORED, "language_model.lm_head.weight"),
+    dropped=("vision_tower.*", "multi_modal_projector.*"),
+    dropped_note="tformer reads Gemma 3's text model; the vision tower and its projector are left out.",
+    loose=GEMMA3.loose,
+    complete_config=_text_config,
+)
