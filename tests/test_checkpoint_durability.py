@@ -381,9 +381,7 @@ def test_every_file_and_directory_is_flushed_before_the_rename_and_the_marker_is
 def make_checkpoint(path: Path, content: str) -> Path:
     path.mkdir(parents=True)
     (path / WEIGHTS_FILE).write_text(content)
-    torch.save(
-        {"step": int(path.name.removeprefix("step-").removesuffix(".tmp")), "best_bleu": -1.0}, path / STATE_FILE
-    )
+    torch.save({"step": int(path.name.removeprefix("step-").split(".")[0]), "best_bleu": -1.0}, path / STATE_FILE)
     return path
 
 
@@ -400,8 +398,9 @@ def test_replacing_a_checkpoint_of_the_same_step_and_a_crash_between_its_renames
     assert sorted(p.name for p in root.iterdir()) == ["step-00000005"]
     assert (root / "step-00000005" / WEIGHTS_FILE).read_text() == "new"
     assert incomplete_reason(root / "step-00000005") is None
-    # killed after the new one took its name, before the old one was deleted
+    # killed after the new one took its name, before the old one was deleted; killed while pruning step 1
     shutil.copytree(root / "step-00000005", root / "step-00000005.old")
+    make_checkpoint(root / "step-00000001.deleting", "pruned")
     recover_checkpoints(tmp_path)
     assert sorted(p.name for p in root.iterdir()) == ["step-00000005"]
 

@@ -116,7 +116,8 @@ def commit_checkpoint(tmp: Path) -> Path:
 def recover_checkpoints(run_dir: Path) -> None:
     """Tidies what a crash left in a run's checkpoints/: a checkpoint set aside (`.old`) while a newer copy of its
     step was being renamed in gets its name back when the newer one did not get it, and is deleted otherwise;
-    the `.tmp` directories of interrupted writes are deleted. Only the run that holds the lock may call it."""
+    the `.tmp` directories of interrupted writes and the `.deleting` ones of interrupted pruning are deleted. Only
+    the run that holds the lock may call it."""
     root = run_dir / RUN_CHECKPOINTS
     if not root.is_dir():
         return
@@ -131,7 +132,7 @@ def recover_checkpoints(run_dir: Path) -> None:
                 os.replace(path, final)
                 fsync(root)
                 logger.warning("%s: put back %s, set aside by a run killed while replacing it", root, final.name)
-        elif path.suffix == ".tmp":
+        elif path.suffix in (".tmp", ".deleting"):
             shutil.rmtree(path)
 
 
@@ -212,7 +213,15 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
     oldest_kept = complete[-keep_last]
     for old in checkpoints:
         if old.name < oldest_kept.name and old != best:
-            shutil.rmtree(old)
+            delete_checkpoint(old)
+
+
+def delete_checkpoint(checkpoint: Path) -> None:
+    """Renames a checkpoint to `.deleting` before deleting it, so that a kill while deleting never leaves part of
+    one under its real name (`recover_checkpoints` finishes the job)."""
+    doomed = checkpoint.with_name(checkpoint.name + ".deleting")
+    os.replace(checkpoint, doomed)
+    shutil.rmtree(doomed)
 
 
 def drop_records_after(path: Path, step: int) -> None:
