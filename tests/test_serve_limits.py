@@ -169,6 +169,9 @@ def test_a_slow_request_times_out_and_frees_its_blocks(limited, offline) -> None
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "timeout"
     assert expected.startswith("".join(c["choices"][0]["text"] for c in chunks))
+    limited.engine.request_timeout = 0.0  # out of time before its first step: its two samples end, unforked
+    choices = httpx.post(f"{limited.url}{CMPL}", json={**body, "n": 2}, timeout=30).json()["choices"]
+    assert [(c["index"], c["finish_reason"], c["text"]) for c in choices] == [(0, "timeout", ""), (1, "timeout", "")]
     wait_for(lambda: limited.engine.stats.blocks_in_use == 0)
 
 

@@ -180,10 +180,17 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None:
             return []
-        live = [seq for seq in request.sequences() if seq.status is not Status.FINISHED]
-        ends = {seq.index: self.outputs.finish(seq, reason) for seq in live}  # a beam search's beams: one output
+        seqs = request.sequences()
+        ends = {  # samples not forked yet end too; a beam search's beams end as one output
+            seq.index: self.outputs.finish(seq, reason) for seq in seqs if seq.status is not Status.FINISHED
+        }
+        if request.beams is None:
+            finished = {seq.index for seq in seqs if seq.status is Status.FINISHED}
+            for index in range(request.params.n):
+                if index not in finished and index not in ends:
+                    ends[index] = RequestOutput(request_id, [], "", True, reason, index)
         self.abort(request_id)
-        return list(ends.values())
+        return [ends[index] for index in sorted(ends)]
 
     def _fail(self, seq: SequenceState, err: BaseException) -> RequestOutput:
         """Fails the request of `seq` alone: its sequences end, their blocks return to the pool, and one output
