@@ -503,3 +503,20 @@ def test_a_sharded_model_inside_its_directory_loads(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with open_weights(tmp_path) as found:
         assert torch.equal(found.get("a"), torch.ones(2)) and torch.equal(found.get("b"), torch.zeros(3))
+
+
+def test_a_tformer_checkpoint_with_a_malformed_header_names_the_tensor(tmp_path: Path) -> None:
+    from tformer import ModelConfig, build_model, load
+
+    build_model(ModelConfig.from_preset("tiny-gpt2")).save(tmp_path)
+    path = tmp_path / WEIGHTS_FILE
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    name = next(n for n in header if n != "__metadata__")
+    header[name]["dtype"] = "F16"  # half the bytes its offsets hold
+    path.write_bytes(safetensors_bytes(header, data[8 + length :]))
+    with pytest.raises(Exception):  # noqa: B017, PT011 - the reference: the library refuses it too
+        load_file(path)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(path))}: .*tensor '{re.escape(name)}': data_offsets"):
+        load(tmp_path)

@@ -14,6 +14,7 @@ from tformer.errors import CheckpointError
 from tformer.models.base import CONFIG_FILE, WEIGHTS_FILE, TransformerModel
 from tformer.models.families import MODELS
 from tformer.models.init import init_weights
+from tformer.models.safetensors_header import check_safetensors_header
 from tformer.models.weights import assign_weights, skip_init
 
 
@@ -43,6 +44,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
             raise CheckpointError(f"{path} is not a tformer checkpoint: {name} is missing")
     config = ModelConfig.from_file(path / CONFIG_FILE)
     model = build_model(config, initialize=False).to(dtype)  # free on the meta device
+    check_safetensors_header(path / WEIGHTS_FILE)  # a malformed header: an error naming the field
     try:
         state = load_file(str(path / WEIGHTS_FILE))
     except (SafetensorError, OSError, RuntimeError) as err:
