@@ -187,3 +187,37 @@ def write(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """A valid Q4_K encoding of (rows, cols) floats, cols a multiple of 256 (gguf-py cannot quantize K-quants):
+    per 32 values an asymmetric 4-bit grid, its scale and minimum rounded to 6 bits of the block's d and dmin.
+    Simpler than llama.cpp's search, and read back by `gguf.quants.dequantize` like any Q4_K block."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 8, 32)  # (super-blocks, sub-blocks, values)
+    low = np.minimum(x.min(axis=2), 0.0)
+    scale = (x.max(axis=2) - low) / 15
+    d = (scale.max(axis=1, keepdims=True) / 63).astype(np.float16)
+    dmin = (-low.min(axis=1, keepdims=True) / 63).astype(np.float16)
+    sc = np.clip(np.round(scale / np.maximum(d.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(-low / np.maximum(dmin.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
+    step = (d.astype(np.float32) * sc)[..., None]
+    offset = (dmin.astype(np.float32) * mn)[..., None]
+    q = np.clip(np.round((x + offset) / np.where(step == 0, 1, step)), 0, 15).astype(np.uint8)
+    packed = np.empty((x.shape[0], 12), dtype=np.uint8)
+    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0xF) | ((mn[:, 4:] & 0xF) << 4)
+    nibbles = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(-1, 128)  # chunk c: sub-block 2c low, 2c + 1 high
+    blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed, nibbles], axis=1)
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
+# a 96-token byte-level BPE vocabulary (printable ASCII, the space as GPT-2 spells it, one merge) for files that
+# must carry a tokenizer: tokenizer.ggml.* keys for `write(..., keys=TINY_TOKENIZER)`
+TINY_TOKENIZER: dict[str, Any] = {
+    "tokenizer.ggml.model": "gpt2",
+    "tokenizer.ggml.tokens": [chr(c) for c in range(33, 127)] + ["\u0120", "\u0120t"],
+    "tokenizer.ggml.merges": ["\u0120 t"],
+    "tokenizer.ggml.eos_token_id": 0,
+}

@@ -12,7 +12,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.engine import Engine, EngineConfig, SamplingParams
 from tformer.engine.embedding import EmbeddingEngine, Pooling
 from tformer.errors import ConfigError
-from tformer.interop.gguf import from_gguf, is_gguf, open_gguf, q4_1_linears
+from tformer.interop.gguf import from_gguf, is_gguf, open_gguf, q4_1_linears, stored_precision
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.kernels.quantize import WEIGHT_DTYPES, Int4Linear, check_precision, resolve_dtype, set_precision
 from tformer.models import TransformerModel
@@ -32,7 +32,10 @@ def load_engine(
     in `dtype`, optionally with its linear layers quantized ('int8', 'int4' or 'w8a8'; see `set_precision`), and
     with a draft model for speculative decoding when `draft_path` names one (it may be the same file, quantized).
     An encoder, which generates nothing, is served for embeddings alone (an `EmbeddingEngine`, with a
-    sentence-transformers directory's own pooling) where `embeddings_only` allows it, and is a ConfigError elsewhere."""
+    sentence-transformers directory's own pooling) where `embeddings_only` allows it, and is a ConfigError elsewhere.
+    `quantize` 'auto' serves a GGUF file as stored (`stored_precision`: a 4- or 5-bit file in INT4, a 6- or 8-bit
+    one in INT8) and anything else in floats; 'none' is floats."""
+    quantize, draft_quantize = stored_quantization(path, quantize), stored_quantization(draft_path, draft_quantize)
     check_precision(dtype, quantize)  # before the (slow) loads
     check_precision(dtype, draft_quantize)
     if draft_quantize is not None and draft_path is None:
@@ -54,6 +57,16 @@ def load_engine(
         draft, _ = load_quantized(draft_path, draft_quantize, dtype)
         set_precision(draft, dtype, draft_quantize)
     return Engine(model, tokenizer, engine_config, draft=draft)
+
+
+def stored_quantization(path: str | os.PathLike[str] | None, quantize: str | None) -> str | None:
+    """`quantize` for `set_precision`: 'auto' becomes what a GGUF file stores (None for other models), 'none'
+    None."""
+    if quantize == "none":
+        return None
+    if quantize != "auto":
+        return quantize
+    return stored_precision(open_gguf(path)) if path is not None and is_gguf(path) else None
 
 
 def load_quantized(

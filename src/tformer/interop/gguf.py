@@ -14,6 +14,7 @@ appear only in this package.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Collection
 from dataclasses import replace
@@ -51,6 +52,11 @@ REQUIRED_METADATA = ("embedding_length", "block_count", "attention.head_count")
 ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 ROPE_FREQS = "rope_freqs.weight"
 LLAMA3_ORIGINAL_CONTEXT = 8192  # Llama 3.x's; see `llama3_rope`
+# the serving format that keeps what a file's layers store: 2-5 bits a weight in INT4, 6 and 8 in INT8
+STORED_PRECISION: dict[GGMLQuantizationType, str] = {
+    **dict.fromkeys((Q.Q2_K, Q.Q3_K, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K), "int4"),
+    **dict.fromkeys((Q.Q6_K, Q.Q8_0), "int8"),
+}
 ROW_TRANSFORMS = tuple(LLAMA_PERMUTED.values())  # transforms that move whole rows, which quantized blocks allow
 
 
@@ -415,3 +421,15 @@ def q4_1_linears(reader: GGUFFile) -> dict[str, tuple[torch.Tensor, torch.Tensor
         parts = q4_1_groups(reader.raw(tensor), tensor.torch_shape)
         groups[name] = parts if transform is None else tuple(transform(part) for part in parts)
     return groups
+
+
+def stored_precision(reader: GGUFFile) -> str | None:
+    """'int4' or 'int8', the serving format nearest to how the file stores most of its layers' weights (by
+    count of values: a Q4_K_M file keeps some tensors in Q6_K), or None for a float file: llama.cpp's
+    behaviour of serving a file as stored."""
+    counts: dict[str | None, int] = {}
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.") and len(tensor.shape) >= 2:
+            kind = STORED_PRECISION.get(tensor.tensor_type)
+            counts[kind] = counts.get(kind, 0) + math.prod(tensor.shape)
+    return max(counts, key=counts.__getitem__) if counts else None
