@@ -337,14 +337,25 @@ def test_quantized_experts_serve_like_their_uncached_forward(mode: str, dtype: s
 # ---- to_hf from a model trained here, and files tformer refuses ---------------------------------------------------
 
 
-def test_a_tformer_moe_model_is_written_as_mixtral_that_transformers_runs(tmp_path) -> None:
-    model = make_model(moe_config(rope_theta=1e6))
+@pytest.mark.parametrize(
+    "overrides, architecture",
+    [
+        ({}, "MixtralForCausalLM"),
+        ({"qk_norm": True, "moe_router": "softmax-topk", "head_dim": 16}, "Qwen3MoeForCausalLM"),
+        ({"qk_norm": True, "moe_d_ff": 24, "moe_dense_layers": [0]}, "Qwen3MoeForCausalLM"),
+    ],
+)
+def test_a_tformer_moe_model_is_written_as_the_architecture_that_holds_it(
+    overrides: dict, architecture: str, tmp_path
+) -> None:
+    model = make_model(moe_config(rope_theta=1e6, **overrides))
     to_hf(model, tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
-    hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path).eval()
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [architecture]
+    hf = getattr(transformers, architecture).from_pretrained(tmp_path).eval()
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
+    assert from_hf(tmp_path).config == model.config
 
 
 def test_moe_configs_no_architecture_holds_are_refused(tmp_path) -> None:

@@ -250,6 +250,8 @@ class ModelConfig(ConfigBase):
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:
             self.head_dim = self.d_model // self.n_heads
+        if self.n_experts and self.moe_d_ff is None:  # resolved, so that null and d_ff compare equal
+            self.moe_d_ff = self.d_ff
         if self.tgt_vocab_size is None:
             self.tgt_vocab_size = self.vocab_size
         if self.rope_original_max_len is None:
