@@ -22,7 +22,7 @@ from tformer.interop.hf import from_hf, to_hf
 
 transformers = pytest.importorskip("transformers")
 
-TOLERANCE = 2e-5  # max |difference| of fp32 logits
+TOLERANCE = 1e-5  # max |difference| of fp32 logits (measured: 0 for LLaMA and Qwen, 0.8-1.6e-6 for Phi-3 and Gemma)
 
 # case -> (model_type, architecture, config fields); every case is small enough to build in milliseconds
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
