@@ -12,6 +12,7 @@ offset u64); then the tensor data, aligned to `general.alignment` (32 by default
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -28,6 +29,8 @@ from tformer.interop.gguf_quants import DEQUANTIZERS, f16_field, nibbles
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 8  # arrays of arrays: llama.cpp writes none; a deeper nesting is corruption, not data
 # GGUF metadata value type -> struct format of one scalar
 SCALARS: dict[int, str] = {
     0: "<B",
@@ -103,18 +106,20 @@ class _Cursor:
     def string(self) -> str:
         return bytes(self.take(self.scalar("<Q"))).decode("utf-8", errors="replace")
 
-    def value(self, kind: int) -> Any:
+    def value(self, kind: int, depth: int = 0) -> Any:
         if kind in SCALARS:
             return self.scalar(SCALARS[kind])
         if kind == STRING:
             return self.string()
         if kind == ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise Malformed(f"arrays nested more than {MAX_ARRAY_DEPTH} deep")
             item_kind, count = self.scalar("<I"), self.scalar("<Q")
             if item_kind in NUMPY_TYPES:
                 dtype = np.dtype(NUMPY_TYPES[item_kind])
                 return np.frombuffer(self.take(dtype.itemsize * count), dtype).tolist()
-            return [self.value(item_kind) for _ in range(count)]
-        raise Malformed(f"unknown metadata value type {kind} at byte {self.offset}")
+            return [self.value(item_kind, depth + 1) for _ in range(count)]
+        raise Malformed(f"unknown value type {kind} at byte {self.offset}")
 
 
 class GGUFFile:
@@ -138,16 +143,35 @@ class GGUFFile:
         self.fields: dict[str, Any] = {}
         for _ in range(n_fields):
             key = cursor.string()
-            self.fields[key] = cursor.value(cursor.scalar("<I"))
+            try:
+                self.fields[key] = cursor.value(cursor.scalar("<I"))
+            except Malformed as err:
+                raise Malformed(f"metadata {key!r}: {err}") from None
         infos = [self._tensor_info(cursor) for _ in range(n_tensors)]
-        alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if (
+            not isinstance(alignment, int)
+            or isinstance(alignment, bool)
+            or alignment < 1
+            or alignment & (alignment - 1)
+        ):
+            raise Malformed(f"metadata 'general.alignment' is {alignment!r}; it must be a power of two (32 by default)")
         data_start = -(-cursor.offset // alignment) * alignment
         self.tensors: list[TensorInfo] = []
         for name, shape, kind, offset in infos:
             tensor_type = GGMLQuantizationType(kind)
+            if tensor_type not in GGML_QUANT_SIZES:
+                raise Malformed(f"tensor {name!r} has type {tensor_type.name}, which no longer has a block layout")
             block, block_bytes = GGML_QUANT_SIZES[tensor_type]
+            count = math.prod(shape)  # Python integers: a product past 64 bits is caught here, not wrapped
+            if count >= 1 << 63 or (shape and shape[0] % block):
+                raise Malformed(
+                    f"tensor {name!r} has shape {list(shape)} (innermost first): "
+                    + ("more values than 64 bits count" if count >= 1 << 63 else f"rows of whole {block}-value blocks")
+                    + f" are needed for {tensor_type.name}"
+                )
             start = data_start + offset
-            n_bytes = int(np.prod(shape, dtype=np.int64)) // block * block_bytes
+            n_bytes = count // block * block_bytes
             if start + n_bytes > size:
                 raise Truncated(start, start + n_bytes)
             self.tensors.append(TensorInfo(name, shape, tensor_type, start, n_bytes))
@@ -156,6 +180,8 @@ class GGUFFile:
     def _tensor_info(cursor: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
         name = cursor.string()
         n_dims = cursor.scalar("<I")
+        if n_dims > MAX_DIMS:
+            raise Malformed(f"tensor {name!r} has {n_dims} dimensions; ggml tensors have at most {MAX_DIMS}")
         shape = tuple(cursor.scalar("<Q") for _ in range(n_dims))
         kind, offset = cursor.scalar("<I"), cursor.scalar("<Q")
         if kind not in GGMLQuantizationType._value2member_map_:
