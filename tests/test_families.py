@@ -458,3 +458,35 @@ def test_multimodal_gemma3_loads_its_text_model(tmp_path: Path) -> None:
     with torch.no_grad():
         assert (ours(ids) - theirs(input_ids=ids).logits).abs().max().item() <= TOLERANCE
     assert ours.config.rope_local_theta == 100.0 and ours.config.qk_norm
+
+
+@pytest.mark.parametrize("rules", ["causal", "window", "padding"])
+def test_softcapped_attention_by_blocks_equals_the_whole_score_matrix(rules: str) -> None:
+    """Past QUERY_BLOCK^2 query-key pairs capped attention goes by blocks of queries (memory linear in the length):
+    equal to math_attention over the whole dense bias, forward and gradients."""
+    from tformer.layers.attention import QUERY_BLOCK, math_attention, softcapped_attention
+    from tformer.layers.masks import build_mask
+
+    torch.manual_seed(0)
+    n = QUERY_BLOCK + 200
+    q, k, v = (torch.randn(2, 4, n, 8, requires_grad=True) for _ in range(3))
+    padding = torch.ones(2, n, dtype=torch.bool)
+    padding[1, -50:] = False
+    mask = build_mask(
+        n_queries=n,
+        n_keys=n,
+        causal=True,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        window=300 if rules == "window" else None,
+        key_padding=padding if rules == "padding" else None,
+    )
+    assert mask.bias is None or rules == "causal"  # too long for a dense bias: the blocks build their own
+    blocks, _ = softcapped_attention(q, k, v, mask, 0.0, softcap=1.5)
+    dense_mask = copy.copy(mask)
+    dense_mask.bias = mask.bias_block(0, n, 0, n, n, n, torch.float32, torch.device("cpu"))
+    whole, _ = math_attention(q, k, v, dense_mask, 0.0, softcap=1.5)
+    assert (blocks - whole).abs().max().item() <= 1e-5
+    grads = torch.autograd.grad(blocks.square().sum(), (q, k, v))
+    reference = torch.autograd.grad(whole.square().sum(), (q, k, v))
+    assert max((a - b).abs().max().item() for a, b in zip(grads, reference, strict=True)) <= 1e-4

@@ -209,6 +209,44 @@ def math_attention(
     return out, weights
 
 
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float, softcap: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """softmax(softcap * tanh(Q K^T / (sqrt(d_k) * softcap)) + bias) V (Gemma 2), which no fused kernel computes.
+
+    Short inputs go through `math_attention` whole (with their weights); past the dense bias's size, by blocks of
+    QUERY_BLOCK queries over the keys each can see, so memory stays linear in the length (as `chunked_attention`),
+    each block checkpointed in training.
+    """
+    n_queries, n_keys = q.shape[2], k.shape[2]
+    if mask.bias is not None or n_queries * n_keys <= QUERY_BLOCK * QUERY_BLOCK:
+        return math_attention(q, k, v, mask, dropout_p, softcap)
+    outputs = []
+    for q_start in range(0, n_queries, QUERY_BLOCK):
+        q_end = min(q_start + QUERY_BLOCK, n_queries)
+        k_start, k_end = mask.key_range(q_start, q_end, n_queries, n_keys)
+        span = (q_start, q_end, k_start, k_end, n_queries, n_keys)
+        block = (q[:, :, q_start:q_end], k[:, :, k_start:k_end], v[:, :, k_start:k_end])
+        if _needs_grad(*block):
+            outputs.append(checkpoint(_capped_block, mask, span, dropout_p, softcap, *block, use_reentrant=False))
+        else:
+            outputs.append(_capped_block(mask, span, dropout_p, softcap, *block))
+    return torch.cat(outputs, dim=2), None
+
+
+def _capped_block(
+    mask: AttentionMask,
+    span: tuple[int, int, int, int, int, int],
+    dropout_p: float,
+    softcap: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    bias = mask.bias_block(*span, q.dtype, q.device)
+    return math_attention(q, k, v, AttentionMask(bias=bias), dropout_p, softcap)[0]
+
+
 ATTENTION_BACKENDS: dict[str, Backend] = {"sdpa": sdpa_attention, "math": math_attention}
 
 
@@ -328,7 +366,7 @@ class Attention(nn.Module):
         scores (`softcap`) take the math path whatever the backend: no fused kernel caps them.
         """
         if self.softcap is not None:
-            return math_attention(q, k, v, mask, dropout_p, softcap=self.softcap)
+            return softcapped_attention(q, k, v, mask, dropout_p, self.softcap)
         return self.backend(q, k, v, mask, dropout_p)
 
     def to_heads(self, projected: torch.Tensor) -> torch.Tensor:
