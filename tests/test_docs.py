@@ -1,9 +1,10 @@
-"""The docs match the code: docs/models.md names every choice the config accepts.
+"""The docs match the code: docs/models.md names every choice the config accepts, and docs/index.md maps every page.
 
 The choices are found by reading config.py, not listed here, so a choice added to the config later fails this test
 until docs/models.md documents it."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,11 @@ def test_models_doc_names_every_choice_of_every_field(field):
     missing = [choice for choice in _choice_fields()[field] if f"`{choice}`" not in text]
     assert f"`{field}`" in text, f"docs/models.md does not name the config field `{field}`; document it"
     assert not missing, f"docs/models.md does not name {field} choices {missing}; document them in its config section"
+
+
+def test_the_docs_index_links_every_page_of_the_docs():
+    index = (DOCS / "index.md").read_text()
+    linked = set(re.findall(r"\]\(([\w.-]+\.md)(?:#[^)]*)?\)", index))
+    pages = {path.name for path in DOCS.glob("*.md")} - {"index.md"}
+    assert not pages - linked, f"docs/index.md does not link {sorted(pages - linked)}; add each to its map"
+    assert not linked - pages, f"docs/index.md links missing pages {sorted(linked - pages)}"
