@@ -87,6 +87,8 @@ def test_hostile_requests_among_streams_get_4xx_and_the_streams_their_own_tokens
     for response in answers:
         assert 400 <= response.status_code < 500, (response.request.url, response.text)
         assert_openai_error(response, response.status_code)
+    named = [answer.json()["error"]["param"] for answer in answers[:4]]
+    assert named == ["stop_token_ids", "repetition_penalty", "repetition_penalty", "logit_bias"]
     for prompt, (text, events) in zip(PROMPTS, streamed, strict=True):
         assert text == expected[prompt]
         assert events[-1]["choices"][0]["finish_reason"] == "length"

@@ -89,6 +89,13 @@ class Server:
         if ids and not 0 <= min(ids) <= max(ids) < vocab:
             raise APIError(400, f"token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}", param=param)
 
+    def checked(self, params: SamplingParams) -> SamplingParams:
+        """The parameters, once every token id they name is in the vocabulary (a 400 naming the parameter before the
+        request is queued; the engine checks again)."""
+        self.check_ids(params.stop_token_ids, "stop_token_ids")
+        self.check_ids(list(params.logit_bias), "logit_bias")
+        return params
+
     def token_text(self, token: int | list[int], whole: bool = False) -> str:
         """One token's text, for log-probabilities (a byte-level piece of a character decodes to U+FFFD, as in
         vLLM; a special token reads as itself), or with `whole` a list of tokens' text; `token_id:<id>` without a
@@ -370,7 +377,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
             texts = [p if isinstance(p, str) else server.token_text(p, whole=True) for p in given]
             echo = Echo(texts, prompts, body.n, prompt_only=max_tokens == 0)
         fmt = CompletionFormat(new_id(CompletionFormat.id_prefix), server.model_name, server.token_text, echo)
-        params = body.sampling_params(max(max_tokens, 1))  # the engine generates at least one token
+        params = server.checked(body.sampling_params(max(max_tokens, 1)))  # the engine generates at least one token
         return await server.run(request, prompts, params, fmt, body.stream, body.include_usage, body.continuous_usage)
 
     @app.post("/v1/chat/completions")
@@ -386,7 +393,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         )
         server.check_fits(len(ids), max_tokens, "messages", tokens_param)
         fmt = ChatFormat(new_id(ChatFormat.id_prefix), server.model_name, server.token_text, tools=tools)
-        params = body.sampling_params(max_tokens, tools)
+        params = server.checked(body.sampling_params(max_tokens, tools))
         return await server.run(request, [ids], params, fmt, body.stream, body.include_usage, body.continuous_usage)
 
 
