@@ -490,3 +490,17 @@ def test_softcapped_attention_by_blocks_equals_the_whole_score_matrix(rules: str
     grads = torch.autograd.grad(blocks.square().sum(), (q, k, v))
     reference = torch.autograd.grad(whole.square().sum(), (q, k, v))
     assert max((a - b).abs().max().item() for a, b in zip(grads, reference, strict=True)) <= 1e-4
+
+
+def test_gemma_embedding_scale_is_rounded_to_the_weights_dtype(saved, tmp_path: Path) -> None:
+    """transformers casts sqrt(d_model) to the embedding's dtype before multiplying (sqrt(32) is 5.65625 in bf16):
+    tformer's bf16 embeddings equal theirs bit for bit, and differ from an unrounded scale."""
+    theirs, path = saved("gemma2")
+    ours = from_hf(path, dtype=torch.bfloat16)
+    theirs = theirs.to(torch.bfloat16)
+    ids = tokens(2, 12, ours.config.vocab_size, seed=5)
+    with torch.no_grad():
+        mine = ours.decoder.embed(ids, torch.arange(12)[None])
+        reference = theirs.model.embed_tokens(ids)
+        unrounded = ours.decoder.tokens(ids) * ours.decoder.embed_scale
+    assert torch.equal(mine, reference) and not torch.equal(unrounded, reference)
