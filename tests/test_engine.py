@@ -304,6 +304,8 @@ def test_stop_strings_streaming_and_eos() -> None:
         (list(range(60)) + [1, 2, 3, 4], SamplingParams(), "context"),
         ([1, 2, 3], SamplingParams(max_tokens=100), "max_tokens"),
         ([1, 2, 500], SamplingParams(), "token ids"),
+        ([1, 2, 3], SamplingParams(stop_token_ids=[999999], min_tokens=3), "stop_token_ids token ids"),
+        ([1, 2, 3], SamplingParams(logit_bias={999999: 5.0}), "logit_bias token ids"),
     ],
 )
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(prompt, params, message) -> None:
@@ -330,6 +332,11 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(prompt, params, m
         (dict(beam_width=4, n=2), "leave n at 1"),
         (dict(beam_width=4, stop=["."]), "no stop strings"),
         (dict(beam_width=2, length_penalty=float("nan")), "length_penalty"),
+        (dict(beam_width=2, length_penalty=1e300), "length_penalty"),
+        (dict(repetition_penalty=1e-300), "repetition_penalty"),  # logits / 1e-300: inf, then NaN
+        (dict(repetition_penalty=1e300), "repetition_penalty"),
+        (dict(stop=["x" * 257]), "stop string"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
     ],
 )
 def test_invalid_sampling_parameters(kwargs: dict, message: str) -> None:

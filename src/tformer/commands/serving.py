@@ -262,20 +262,36 @@ def serve(
     )
 
 
-def convert(source: str, *, out: str, to: str = "tformer", merge_lora: str | None = None) -> None:
+def convert(
+    source: str, *, out: str, to: str = "tformer", merge_lora: str | None = None, quantization: str = "float32"
+) -> None:
     """Convert a model: a GGUF file or Hugging Face directory to a tformer checkpoint, or any of them to HF format.
 
-    source: a .gguf file, a Hugging Face model directory or a tformer checkpoint directory
+    source: a .gguf file, a Hugging Face model directory, a tformer checkpoint directory or a training run
     out: the directory to write
-    to: 'tformer' (config.yaml, model.safetensors, tokenizer) or 'hf' (config.json, model.safetensors, tokenizer)
+    to: 'tformer' (config.yaml, model.safetensors, tokenizer), 'hf' (config.json, model.safetensors, tokenizer)
+        or 'ctranslate2' (an encoder-decoder as a CTranslate2 model directory, vocabulary included; needs
+        `pip install ctranslate2`)
     merge_lora: a LoRA adapters directory (adapters.safetensors, lora.json) trained on SOURCE, merged into the
         weights before writing (default: none)
+    quantization: with --to ctranslate2, how CTranslate2 stores the weights: float32, int8, int16, bfloat16, ...
     """
     from tformer.checkpoints import load_pretrained
     from tformer.interop import to_hf
 
-    if to not in ("tformer", "hf"):
-        raise ConfigError(f"unknown target format '{to}'; choose 'tformer' or 'hf'")
+    if to not in ("tformer", "hf", "ctranslate2"):
+        raise ConfigError(f"unknown target format '{to}'; choose 'tformer', 'hf' or 'ctranslate2'")
+    if to == "ctranslate2":
+        from tformer.checkpoints import load_translation_model
+        from tformer.interop.ctranslate2 import to_ctranslate2
+
+        model, tokenizer = load_translation_model(source)
+        to_ctranslate2(model, tokenizer, out, quantization)
+        print(
+            f"wrote {type(model).__name__} ({model.num_parameters():,} parameters) to {out} as CTranslate2 "
+            f"{quantization}"
+        )
+        return
     model, tokenizer = load_pretrained(source)
     if merge_lora is not None:
         from tformer.training import lora
