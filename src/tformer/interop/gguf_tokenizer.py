@@ -21,6 +21,13 @@ from tformer.interop.gguf_file import GGUFFile
 
 # GPT-2's word split: contractions, letters, numbers, other symbols, each with at most one leading space
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Llama 3's (and Qwen2's, with single digits): contractions in any case, a letter run with at most one leading
+# non-letter, numbers of up to three digits, symbols with their trailing newlines, then whitespace
+LLAMA3_SPLIT = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # tokenizer.ggml.pre -> expressions applied one after the other (llama.cpp's lists for these names)
 PRE_TOKENIZER_SPLITS: dict[str, list[str]] = {
     "default": [GPT2_SPLIT],
@@ -28,6 +35,11 @@ PRE_TOKENIZER_SPLITS: dict[str, list[str]] = {
     "smollm": [r"\p{N}", GPT2_SPLIT],  # every digit on its own, then GPT-2's split
     "starcoder": [r"\p{N}", GPT2_SPLIT],
     "refact": [r"\p{N}", GPT2_SPLIT],
+    "llama-bpe": [LLAMA3_SPLIT],  # Llama 3.x
+    "llama3": [LLAMA3_SPLIT],
+    "smaug-bpe": [LLAMA3_SPLIT],
+    "qwen2": [QWEN2_SPLIT],  # Qwen2, Qwen2.5, Qwen3
+    "deepseek-r1-qwen": [QWEN2_SPLIT],
 }
 # llama.cpp's token types (gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
