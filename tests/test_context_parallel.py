@@ -158,6 +158,8 @@ def test_a_batch_is_padded_at_the_end_and_sharded_with_its_labels() -> None:
         ({"position": "t5", "scale_attention": False}, "clm", "T5's"),  # the first problem is named
         ({"scale_attention": False}, "clm", "scale_attention: true"),
         ({"sliding_window": 8}, "clm", "sliding window"),
+        ({"attn_logit_softcap": 50.0}, "clm", "attn_logit_softcap"),
+        ({"attention_scale_dim": 16}, "clm", "attention_scale_dim"),
         ({"attn_dropout": 0.1}, "clm", "attn_dropout=0"),
         ({}, "prefix_lm", "objective: clm"),
     ],

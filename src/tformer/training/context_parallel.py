@@ -332,6 +332,11 @@ def check_context_parallel(model: ModelConfig, objective: str, ranks: int) -> No
         (model.position in ("alibi", "t5"), "ALiBi's and T5's biases need all query-key distances; use rope"),
         (not model.scale_attention, "ring attention scales scores by 1/sqrt(head_dim); set scale_attention: true"),
         (model.sliding_window is not None, "a sliding window is not supported; remove model.sliding_window"),
+        (model.attn_logit_softcap is not None, "capped scores (Gemma 2) are not supported; remove attn_logit_softcap"),
+        (
+            model.attention_scale_dim is not None,
+            "ring attention scales scores by 1/sqrt(head_dim); remove model.attention_scale_dim",
+        ),
         (model.attention != "softmax", f"attention '{model.attention}' has its own kernel; use attention: softmax"),
         (model.attn_dropout > 0, "ring attention has no attention dropout; set model.attn_dropout=0"),
     ]  # fmt: skip
