@@ -12,6 +12,14 @@ RELEASED_COUNTS = {
     "llama2-7b": 6_738_415_616,
     "llama2-70b": 68_976_648_192,
     "mistral-7b": 7_241_732_096,
+    # the families of issue 51 (their safetensors headers); MoE counts hold every expert
+    "llama3.2-1b": 1_235_814_400,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen3-0.6b": 596_049_920,
+    "gemma2-2b": 2_614_341_888,
+    "phi3-mini": 3_821_079_552,
+    "mixtral-8x7b": 46_702_792_704,
+    "qwen3-30b-a3b": 30_532_122_624,
 }
 
 
