@@ -1,5 +1,7 @@
 """`tformer info` arithmetic: FLOPs checked against torch's FLOP counter, KV bytes against the seed."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -64,3 +66,27 @@ def test_bad_dtype_and_context():
         model_info(config, kv_dtype="fp12")
     with pytest.raises(ConfigError, match="context must be at least 1"):
         model_info(config, context=0)
+
+
+def test_moe_flops_count_the_chosen_experts_and_the_router():
+    """A mixture of experts costs the router plus n_experts_per_token expert FFNs per token (hand formula, and
+    torch's FLOP counter on the routed forward); the parameters still hold every expert."""
+    config = ModelConfig.from_preset(
+        "tiny-llama", n_experts=4, n_experts_per_token=2, moe_d_ff=24, attention_backend="math"
+    )
+    d, hd, T = config.d_model, config.head_dim, 16
+    attention = 2 * (d * config.n_heads * hd * 2 + d * config.n_kv_heads * hd * 2) + 4 * config.n_heads * hd * T
+    ffn = 2 * d * 4 + 2 * 2 * (3 * d * 24)  # router, then 2 of the 4 SwiGLU experts (gate, up, down)
+    head = 2 * d * config.vocab_size
+    info = model_info(config, context=T)
+    assert info.forward_flops_per_token == config.n_decoder_layers * (attention + ffn) + head
+    expert = 3 * d * 24
+    assert info.n_params - model_info(replace(config, n_experts_per_token=4)).n_params == 0
+    assert info.n_params_non_embedding >= config.n_decoder_layers * 4 * expert
+    model = build_model(config).eval()
+    tokens = torch.randint(0, config.vocab_size, (1, T))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(tokens)
+    assert info.forward_flops_per_token * T == counter.get_total_flops()
+    dense = model_info(replace(config, n_experts_per_token=4), context=T)
+    assert dense.forward_flops_per_token - info.forward_flops_per_token == config.n_decoder_layers * 2 * 2 * expert

@@ -1,7 +1,8 @@
 """Model arithmetic without memory: parameter counts, FLOPs per token and KV-cache bytes.
 
 The model is built on the meta device, so even a 175B config costs nothing to inspect.
-FLOPs follow the PaLM paper's appendix B convention: a matmul with a (m x n) weight costs 2mn FLOPs per token,
+FLOPs follow the PaLM paper's appendix B convention: a matmul with a (m x n) weight costs 2mn FLOPs per token
+(a mixture of experts: the router and the n_experts_per_token chosen experts),
 attention adds 2 * 2 * n_heads * head_dim * context per layer (QK^T and the weighted sum of V), and a training
 step costs 3x the forward pass (backward is twice the forward).
 """
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from tformer.config import ConfigError, ModelConfig
+from tformer.layers.ffn import MixtureOfExperts
 from tformer.models import build_model
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
@@ -50,7 +52,12 @@ class ModelInfo:
 
 
 def _linear_flops(module: nn.Module) -> int:
-    return sum(2 * m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+    """2 FLOPs per weight of every Linear a token goes through: in a mixture of experts, the router and only the
+    n_experts_per_token experts it picks (the experts are alike), though the parameters count them all."""
+    moes = [m for m in module.modules() if isinstance(m, MixtureOfExperts)]
+    in_experts = {id(linear) for moe in moes for linear in moe.experts.modules()}
+    dense = sum(2 * m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear) and id(m) not in in_experts)
+    return dense + sum(moe.top_k * _linear_flops(moe.experts[0]) for moe in moes)
 
 
 def _stack_flops(config: ModelConfig, stack: nn.Module, context: int, cross_context: int = 0) -> int:
