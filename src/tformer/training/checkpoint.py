@@ -280,6 +280,8 @@ class RunLock:
                     f"{run_dir} is in use by another training run (pid {holder}, which holds {self.path}); wait for "
                     "it to finish or stop it, or set train.out_dir to another directory"
                 ) from None
+            except OSError as err:  # a file system without locks (some network mounts): train unguarded
+                logger.warning("%s: cannot lock (%s); make sure no other run trains in %s", self.path, err, run_dir)
             file.seek(0)
             file.truncate()
             file.write(f"{os.getpid()}\n")
