@@ -214,6 +214,9 @@ class HeadTerms:
     loss_buffers: float  # the loss's backward: the gathered gradient and its sum with the smoothing term
 
 
+QA_LOGITS = 2  # the extractive QA head (models/heads.py): a start and an end logit per token
+
+
 def head_terms(config: ModelConfig, p: Precision, head_trains: bool = True, seq_len: int | None = None) -> HeadTerms:
     """The output head's and the label-smoothed loss's bytes per token (none for an encoder without a head); a frozen
     head (LoRA) saves no input. Classifiers: num_labels logits per token, or per sequence of `seq_len` (None: 1)."""
@@ -230,6 +233,9 @@ def head_terms(config: ModelConfig, p: Precision, head_trains: bool = True, seq_
             saved = saved * (per if copied else 1.0) + (p.compute * config.d_model * (2 if mask else 1) + mask) * per
         n = config.num_labels * per
         return HeadTerms(saved + n * (p.compute + 4), n * p.compute, n * 4, 2 * 4 * n)
+    if config.family == "encoder" and config.encoder_head == "question-answering":
+        # Linear(d_model, 2) on every token, without dropout: a start and an end logit, and their log-probabilities
+        return HeadTerms(saved + QA_LOGITS * (p.compute + 4), QA_LOGITS * p.compute, QA_LOGITS * 4, 2 * 4 * QA_LOGITS)
     vocab = config.tgt_vocab_size if config.family == "encoder-decoder" else config.vocab_size
     if config.family == "encoder":  # MLM head: dense and activation outputs, the norm's output and statistics
         saved += 2 * p.compute * config.d_model + _norm(config, p.compute)
