@@ -21,6 +21,7 @@ from tformer.commands.qa import qa
 from tformer.commands.serving import bench, convert, embed, generate, serve
 from tformer.commands.training import average, estimate, evaluate, train, translate
 from tformer.errors import TformerError
+from tformer.threads import apply_thread_policy
 
 COMMANDS: dict[str, Callable[..., None]] = {
     "train": train,
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_thread_policy()  # before any command loads torch: OpenMP reads its settings once (tformer/threads.py)
     args = vars(build_parser().parse_args(argv))
     command = args.pop("_command")
     code = 0
