@@ -29,6 +29,7 @@ ENGINE = DECODING | {"kernels", "engine"}
 ALLOWED: dict[str, set[str]] = {
     "errors": {"errors"},
     "files": BASE,
+    "threads": {"threads"},  # the thread policy, applied before torch loads: it imports nothing of tformer's
     "presets": BASE | {"presets"},
     "config": CONFIG,
     "layers": LAYERS,
