@@ -263,7 +263,13 @@ def serve(
 
 
 def convert(
-    source: str, *, out: str, to: str = "tformer", merge_lora: str | None = None, quantization: str = "float32"
+    source: str,
+    *,
+    out: str,
+    to: str = "tformer",
+    merge_lora: str | None = None,
+    quantization: str = "float32",
+    type: str = "f16",
 ) -> None:
     """Convert a model: a GGUF file or Hugging Face directory to a tformer checkpoint, or any of them to HF format.
 
@@ -275,12 +281,14 @@ def convert(
     merge_lora: a LoRA adapters directory (adapters.safetensors, lora.json) trained on SOURCE, merged into the
         weights before writing (default: none)
     quantization: with --to ctranslate2, how CTranslate2 stores the weights: float32, int8, int16, bfloat16, ...
+    type: with --to gguf (OUT is then the .gguf file; LLaMA-style decoders, for llama.cpp), how the matrices are
+        stored: f16, q8_0 or q4_0
     """
     from tformer.checkpoints import load_pretrained
     from tformer.interop import to_hf
 
-    if to not in ("tformer", "hf", "ctranslate2"):
-        raise ConfigError(f"unknown target format '{to}'; choose 'tformer', 'hf' or 'ctranslate2'")
+    if to not in ("tformer", "hf", "ctranslate2", "gguf"):
+        raise ConfigError(f"unknown target format '{to}'; choose 'tformer', 'hf', 'ctranslate2' or 'gguf'")
     if to == "ctranslate2":
         from tformer.checkpoints import load_translation_model
         from tformer.interop.ctranslate2 import to_ctranslate2
@@ -288,7 +296,7 @@ def convert(
         model, tokenizer = load_translation_model(source)
         to_ctranslate2(model, tokenizer, out, quantization)
         print(
-            f"wrote {type(model).__name__} ({model.num_parameters():,} parameters) to {out} as CTranslate2 "
+            f"wrote {model.__class__.__name__} ({model.num_parameters():,} parameters) to {out} as CTranslate2 "
             f"{quantization}"
         )
         return
@@ -297,13 +305,19 @@ def convert(
         from tformer.training import lora
 
         lora.merge_lora(lora.load_adapters(model, merge_lora))
+    if to == "gguf":
+        from tformer.interop.gguf_writer import to_gguf
+
+        to_gguf(model, out, tokenizer, type)
+        print(f"wrote {model.__class__.__name__} ({model.num_parameters():,} parameters) to {out} as GGUF {type}")
+        return
     if to == "tformer":
         model.save(out)
     else:
         to_hf(model, out)
     if tokenizer is not None:
         tokenizer.save(out)
-    print(f"wrote {type(model).__name__} ({model.num_parameters():,} parameters) to {out} in {to} format")
+    print(f"wrote {model.__class__.__name__} ({model.num_parameters():,} parameters) to {out} in {to} format")
 
 
 def bench(
