@@ -2,13 +2,13 @@
 
 torch's CPU build runs its intra-op thread pool on GNU OpenMP. Every parallel region (each matmul of a decode
 step) waits for its slowest thread; a thread that shares its core with another CPU-bound process gets a turn only
-when the scheduler gives one, and OpenMP's spinning waiters use up their own slices meanwhile. Beside one busy
-process, beam search with a thread per core slowed 3.5x on one 2-core machine and 43x on another
-(docs/shared-host.md). Measured levers: passive waiting (OMP_WAIT_POLICY=PASSIVE) bounds the slowdown but makes
-the quiet case pay a wake-up per region; one thread fewer per busy core costs the quiet case nothing. So at start
-`apply_thread_policy` counts the processes already running on other cores and, when there are some, asks OpenMP
-for one thread per core left (OMP_NUM_THREADS). `tformer.cli.main` applies it before any command imports torch;
-a variable the user set wins, and `TFORMER_THREAD_POLICY=off` turns the policy off.
+when the scheduler gives one, and OpenMP's spinning waiters use up their own slices meanwhile, so beam search
+beside one busy process slows several-fold (docs/shared-host.md has the measurements). Of the levers, passive
+waiting (OMP_WAIT_POLICY=PASSIVE) bounds the slowdown but makes the quiet case pay a wake-up per region; one
+thread fewer per busy core costs the quiet case nothing. So at start `apply_thread_policy` counts the processes
+already running on other cores and, when there are some, asks OpenMP for one thread per core left
+(OMP_NUM_THREADS). `tformer.cli.main` applies it before any command imports torch; a variable the user set wins,
+and `TFORMER_THREAD_POLICY=off` turns the policy off.
 """
 
 from __future__ import annotations
