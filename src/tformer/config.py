@@ -27,7 +27,7 @@ FFN_NAMES = ("relu", "gelu", "gelu-tanh", "silu", "swiglu", "geglu", "geglu-tanh
 NORM_NAMES = ("layernorm", "rmsnorm", "rmsnorm-plus-one")
 NORM_PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 ATTENTION_BACKEND_NAMES = ("sdpa", "math")
-ATTENTION_NAMES = ("softmax", "longformer", "performer")
+ATTENTION_NAMES = ("softmax", "longformer", "performer", "strided", "linear")
 # what each decoder layer's self-attention sees (config.layer_types); a table, not a registry: the stack reads it
 # through ModelConfig.layer_windows
 LAYER_TYPES = {"sliding": "the last sliding_window keys", "full": "every earlier key"}
@@ -220,9 +220,11 @@ class ModelConfig(ConfigBase):
     attention_scale_dim: int | None = None  # scores are q.k / sqrt(attention_scale_dim); None: head_dim (Gemma)
     attention_backend: str = "sdpa"
     scale_attention: bool = True  # scores q.k / sqrt(head_dim); T5 leaves them unscaled (folded into its init)
-    attention: str = "softmax"  # self-attention: "softmax", "longformer" (local window + global tokens), "performer"
+    attention: str = "softmax"  # self-attention: "softmax", "longformer" (local window + global tokens), "performer",
+    # "strided" (Sparse Transformer), "linear" (elu + 1 linear attention)
     attention_window: int = 512  # longformer: each token sees attention_window // 2 neighbours on each side
     performer_features: int = 256  # performer: random features approximating the softmax kernel (FAVOR+)
+    sparse_stride: int = 64  # strided (Sparse Transformer): the last `sparse_stride` keys and every stride-th one
     activation_checkpointing: bool = False
 
     # family 'ssm' (Mamba): state size N per channel, causal conv width, inner width = ssm_expand * d_model
@@ -438,6 +440,8 @@ class ModelConfig(ConfigBase):
                 raise ConfigError(
                     "attention 'longformer' always scales its scores by 1/sqrt(head_dim); set scale_attention: true"
                 )
+        if self.attention in ("strided", "linear"):
+            self._check_strided_or_linear()
         if self.attention == "performer":
             if self.position in ("alibi", "t5") or self.sliding_window is not None:
                 raise ConfigError(
@@ -452,6 +456,29 @@ class ModelConfig(ConfigBase):
                     f"attention 'performer' never forms attention probabilities, so attn_dropout "
                     f"({self.attn_dropout}) has nothing to drop; set attn_dropout: 0 (dropout still applies)"
                 )
+
+    def _check_strided_or_linear(self) -> None:
+        name = self.attention
+        if self.position in ("alibi", "t5") or self.sliding_window is not None:
+            raise ConfigError(
+                f"attention '{name}' adds no bias matrix and has its own sparsity, so it cannot add ALiBi's or T5's "
+                "bias or a sliding window; use position 'rope', 'learned' or 'sinusoidal' and no sliding_window"
+            )
+        if name == "strided":
+            if self.family != "decoder":
+                raise ConfigError(
+                    f"attention 'strided' is the Sparse Transformer's causal pattern, so it applies to family "
+                    f"'decoder', got '{self.family}'; use attention 'linear' or 'softmax' there"
+                )
+            if self.sparse_stride < 1:
+                raise ConfigError(
+                    f"sparse_stride must be at least 1 (about sqrt(context) is usual), got {self.sparse_stride}"
+                )
+        elif self.attn_dropout > 0:
+            raise ConfigError(
+                f"attention 'linear' never forms attention probabilities, so attn_dropout ({self.attn_dropout}) has "
+                "nothing to drop; set attn_dropout: 0 (dropout still applies)"
+            )
 
     def _check_ssm(self) -> None:
         for name in ("ssm_state_size", "ssm_conv_width", "ssm_expand"):

@@ -19,11 +19,11 @@ from tformer.layers.attention import Attention
 from tformer.layers.dropout import Dropout
 from tformer.layers.ffn import make_ffn
 from tformer.layers.kv_cache import LayerCache
-from tformer.layers.linear_attention import PerformerAttention
+from tformer.layers.linear_attention import LinearAttention, PerformerAttention
 from tformer.layers.masks import AttentionMask
 from tformer.layers.norms import make_norm
 from tformer.layers.positions import Rotary
-from tformer.layers.sparse_attention import LongformerAttention
+from tformer.layers.sparse_attention import LongformerAttention, StridedAttention
 
 Sublayer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -71,6 +71,8 @@ SELF_ATTENTIONS: dict[str, type[nn.Module]] = {
     "softmax": Attention,
     "longformer": LongformerAttention,
     "performer": PerformerAttention,
+    "strided": StridedAttention,
+    "linear": LinearAttention,
 }
 
 RESIDUALS: dict[str, type[nn.Module]] = {

@@ -233,3 +233,85 @@ class PerformerAttention(Attention):
                 "(prefix_lengths, a prefix LM); train it with the plain causal objective or use attention 'softmax'"
             )
         return favor_attention(q, k, v, self.features, mask.is_causal, mask.key_padding, mask.query_slots), None
+
+
+# ---- the Linear Transformer (Katharopoulos et al., 2020): feature map elu(x) + 1 -------------------------------------
+
+
+def elu_features(x: torch.Tensor) -> torch.Tensor:
+    """phi(x) = elu(x) + 1 in fp32: positive, so every normalizer phi(q) . sum phi(k) is positive."""
+    return torch.nn.functional.elu(x.float()) + 1
+
+
+def elu_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    key_padding: torch.Tensor | None = None,
+    query_slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out_i = phi(q_i) S / (phi(q_i) z) with phi = elu + 1, S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j).
+
+    Shapes and the meaning of `causal`, `key_padding` and `query_slots` as in `favor_attention`; the same three
+    forms serve (one sum for every query, prefix sums by chunks, the masked matrix for queries at their own slots).
+    The paper scales nothing by sqrt(D): the feature map replaces exp(q . k / sqrt(D)) altogether.
+    """
+    with torch.autocast(q.device.type, enabled=False):
+        if causal and query_slots is not None:
+            key_padding = _visible_keys(query_slots, key_padding, k.shape[0], k.shape[2])
+        qg, kg, vg = _grouped(q, k, v)
+        qf, kf = elu_features(qg), elu_features(kg)
+        if key_padding is not None:
+            kf = kf * key_padding[:, None, None, :, None]
+        if causal and query_slots is not None:
+            slots = query_slots[:, None, None, :, None]
+            out = _quadratic(qf, kf, vg, torch.arange(k.shape[2], device=k.device) <= slots)
+        elif causal:
+            num, den = _causal_sums(qf, kf, vg)
+            out = num / (den + EPS)
+        else:
+            num = qf @ (kf.transpose(-2, -1) @ vg)
+            den = qf @ kf.sum(dim=-2)[..., None]
+            out = num / (den + EPS)
+    return out.reshape(q.shape).to(q.dtype)
+
+
+def elu_linear_attention_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The causal form as the paper's RNN, one token at a time: S_i = S_{i-1} + phi(k_i) v_i^T, z_i likewise.
+
+    q, k, v (B, H, T, D) with as many heads -> (B, H, T, D). O(T) steps of O(D^2) each; the reference that the
+    chunked prefix sums are tested against, and what a decoder with a fixed-size state would compute.
+    """
+    qf, kf, vf = elu_features(q), elu_features(k), v.float()
+    state = torch.zeros(*q.shape[:2], q.shape[-1], v.shape[-1], device=q.device)  # (B, H, D, Dv)
+    normalizer = torch.zeros(*q.shape[:2], q.shape[-1], device=q.device)  # (B, H, D)
+    outputs = []
+    for t in range(q.shape[2]):
+        state = state + kf[:, :, t, :, None] * vf[:, :, t, None, :]
+        normalizer = normalizer + kf[:, :, t]
+        num = (qf[:, :, t, None, :] @ state).squeeze(-2)  # (B, H, Dv)
+        den = (qf[:, :, t] * normalizer).sum(dim=-1, keepdim=True)
+        outputs.append(num / (den + EPS))
+    return torch.stack(outputs, dim=2).to(q.dtype)
+
+
+class LinearAttention(Attention):
+    """Self- or cross-attention with the Linear Transformer's kernel elu(x) + 1 in place of softmax.
+
+    Attention's projections, so a softmax checkpoint loads into it and back; no extra tensor. From the mask it
+    reads `is_causal`, `key_padding` and `query_slots`, as `PerformerAttention`. With a KV cache, each step sums
+    over the cached keys again (linear in their number); `elu_linear_attention_recurrent` is the constant-size
+    state form. There are no probabilities, so attention dropout does not apply and `last_weights` stays None.
+    """
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float
+    ) -> tuple[torch.Tensor, None]:
+        """elu + 1 linear attention over q (B, H, Tq, D) and k, v (B, Hkv, Tk, D)."""
+        if mask.prefix_lengths is not None:
+            raise ConfigError(
+                "attention 'linear' sums keys in one direction only, so it cannot give a prefix two-way attention "
+                "(prefix_lengths, a prefix LM); train it with the plain causal objective or use attention 'softmax'"
+            )
+        return elu_linear_attention(q, k, v, mask.is_causal, mask.key_padding, mask.query_slots), None

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer.config import ModelConfig
-from tformer.layers.attention import repeat_kv
+from tformer.errors import ConfigError
+from tformer.layers.attention import Attention, repeat_kv
 from tformer.layers.dropout import dropout
 from tformer.layers.masks import AttentionMask
 from tformer.layers.positions import Rotary, apply_rotary
@@ -188,3 +189,79 @@ class LongformerAttention(nn.Module):
         target = torch.where(ok, slots, T)  # unused slots write to a scratch row T, dropped below
         out = F.pad(out, (0, 0, 0, 1)).scatter(2, target[:, None, :, None].expand(B, H, -1, D), rows)
         return out[:, :, :T]
+
+
+# ---- the Sparse Transformer's strided pattern (Child et al., 2019) -------------------------------------------------
+
+
+def strided_key_slots(query_slots: torch.Tensor, stride: int, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys a causal query at slot i sees under the strided pattern, as (..., Tq, stride + M) slots and validity.
+
+    The pattern is the union of the paper's two heads: A1, the last `stride` slots (i - stride < j <= i), and A2,
+    every slot j <= i with (i - j) mod stride == 0. A2's slots at distance 0 lie in A1 as well, so A2 contributes
+    i - stride, i - 2 * stride, ...: M = ceil(n_keys / stride) of them at most, and the two lists never overlap.
+    Slots before 0 are marked invalid (index 0 stands in for them).
+    """
+    local = torch.arange(stride, device=query_slots.device)  # distances 0 .. stride - 1
+    strided = torch.arange(1, math.ceil(n_keys / stride) + 1, device=query_slots.device) * stride
+    slots = query_slots[..., None] - torch.cat([local, strided])  # (..., Tq, stride + M)
+    return slots.clamp_min(0), slots >= 0
+
+
+def strided_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    stride: int,
+    query_slots: torch.Tensor | None = None,
+    key_padding: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal softmax attention under the strided pattern: q (B, H, Tq, D) over k, v (B, Hkv, Tk, D) -> (B, H, Tq, D).
+
+    Each query gathers its stride + ceil(Tk / stride) keys and takes one softmax over them, so scores cost
+    O(Tq * (stride + Tk / stride)) instead of O(Tq * Tk): O(T * sqrt(T)) with stride ~ sqrt(T), the paper's point.
+    The queries sit at `query_slots` (B|1, Tq), or else are the last Tq of the Tk slots (a cached decoding step).
+    `key_padding` (B, Tk) is True for real keys. A query with no allowed key gets finite weights, not NaN.
+    """
+    B, H, Tq, D = q.shape
+    n_keys = k.shape[2]
+    if query_slots is None:
+        query_slots = torch.arange(n_keys - Tq, n_keys, device=q.device)[None]
+    slots, ok = strided_key_slots(query_slots, stride, n_keys)  # (B|1, Tq, S)
+    slots, ok = slots.expand(B, -1, -1), ok.expand(B, -1, -1)
+    if key_padding is not None:
+        ok = ok & key_padding.gather(1, slots.flatten(1)).view_as(slots)
+    n_rep = H // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    index = slots.flatten(1)[:, None, :, None].expand(-1, H, -1, D)  # (B, H, Tq * S, D)
+    keys = k.gather(2, index).view(B, H, Tq, -1, D)  # (B, H, Tq, S, D)
+    values = v.gather(2, index).view(B, H, Tq, -1, D)
+    scores = _scores(q[..., None, :], keys).squeeze(-2)  # (B, H, Tq, S)
+    scores = scores.masked_fill(~ok[:, None], torch.finfo(scores.dtype).min)
+    weights = dropout(torch.softmax(scores, dim=-1).to(v.dtype), dropout_p)
+    return (weights[..., None, :] @ values).squeeze(-2)
+
+
+class StridedAttention(Attention):
+    """Causal self-attention under the Sparse Transformer's strided pattern, with Attention's projections.
+
+    Every head attends to the union of the pattern's two parts (the paper's "merged" heads), so a checkpoint is
+    the softmax model's tensors. From the mask it reads `key_padding` and `query_slots`; a KV cache works as for
+    softmax attention (each step gathers its pattern's keys from the cached slots).
+    """
+
+    def __init__(self, config: ModelConfig, cross: bool = False) -> None:
+        super().__init__(config, cross)
+        self.stride = config.sparse_stride
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float
+    ) -> tuple[torch.Tensor, None]:
+        """The strided pattern over q (B, H, Tq, D) and k, v (B, Hkv, Tk, D); the mask must be causal."""
+        if not mask.is_causal or mask.prefix_lengths is not None:
+            raise ConfigError(
+                "attention 'strided' is the Sparse Transformer's causal pattern, so it cannot attend both ways "
+                "(an encoder or a prefix LM); use it in a decoder trained with the plain causal objective"
+            )
+        return strided_attention(q, k, v, self.stride, mask.query_slots, mask.key_padding, dropout_p), None
