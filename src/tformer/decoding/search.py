@@ -8,7 +8,7 @@ stops a sentence once it has `beam_size` finished hypotheses and no live one can
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,40 +69,47 @@ def beam_search(
     eos_id: int,
     beam_size: int = 4,
     alpha: float = 0.6,
+    patience: float | None = None,
 ) -> list[list[int]]:
     """Batched beam search over sources (B, S); returns the best hypothesis per source, without specials.
 
-    `max_len` caps the generated tokens, for the whole batch or per row. As in fairseq, a source whose search
-    is done leaves the batch: the model then runs only on the K beams of each source still searching, so a
-    batch costs what its live sources cost, not what its longest one does.
+    `max_len` caps the generated tokens, for the whole batch or per row. `patience` None searches until no live
+    beam can beat the best finished hypothesis (exact); a number p stops a source once round(beam_size * p) of its
+    hypotheses have finished, as CTranslate2's `patience` (1 is its default; docs/translation.md measures it).
+
+    The cache is never copied wholesale: the encoder's keys and values are projected once per source and its
+    K beams attend to them as K queries (`EncoderDecoder.new_cache` with the memory); a beam that continues its
+    parent's row copies nothing, and only beams whose parent sits in another row copy that row's self-attention
+    keys (`Beams` puts a beam in its parent's row when it can). As in fairseq, a source whose search is done
+    leaves the batch: the model then runs only on the K beams of each source still searching.
     """
     model.eval()
     B, K = src.shape[0], beam_size
     limits = _row_limits(max_len, B)
-    memory = model.encode(src, src_mask).repeat_interleave(K, 0)  # (B*K, S, d)
-    src_mask = src_mask.repeat_interleave(K, 0)
-    cache = model.new_cache(B * K, max(limits) + 1)
-    beams = Beams.start(limits, K, alpha, eos_id, src.device)
+    beams = Beams.start(limits, K, alpha, eos_id, src.device, patience)
+    memory = model.encode(src, src_mask)
+    if isinstance(model, EncoderDecoder):
+        cache = model.new_cache(B * K, max(limits) + 1, memory=memory, src_mask=src_mask)
+        memory = src_mask = None
+    else:  # a model whose decoder state holds the memory per row (the LSTM baseline): each beam gets a copy
+        memory, src_mask = memory.repeat_interleave(K, 0), src_mask.repeat_interleave(K, 0)  # (B*K, S, d)
+        cache = model.new_cache(B * K, max(limits) + 1)
     tokens = torch.full((B * K, 1), bos_id, dtype=torch.long, device=src.device)
-    live = torch.arange(B * K, device=src.device)  # the beam rows (b * K + k) in the model's batch, in order
+    live = list(range(B))  # the sources still searching, in the order of the model's batch
     for t in range(max(limits)):
-        logits = model.decode(tokens, memory, src_mask, cache=cache, start=t)[:, -1]  # (len(live), V)
+        logits = model.decode(tokens, memory, src_mask, cache=cache, start=t)[:, -1]  # (len(live) * K, V)
         memory = None  # the cross-attention keys and values are cached after the first step
-        log_probs = logits.new_zeros(B * K, logits.shape[-1], dtype=torch.float32)  # rows of done sources: unread
-        log_probs[live] = torch.log_softmax(logits.float(), -1)
-        parents = beams.advance(log_probs)
+        parents = beams.advance(torch.log_softmax(logits.float(), -1), live)  # places in this step's batch
         if parents is None:
             break
-        searching = torch.tensor([not done for done in beams.done], device=src.device).repeat_interleave(K)
-        next_live = searching.nonzero()[:, 0]
-        slot = torch.full((B * K,), -1, dtype=torch.long, device=src.device)
-        slot[live] = torch.arange(len(live), device=src.device)  # beam row -> its place in the batch
-        index = slot[parents[next_live]]  # a beam's parent is a beam of the same source: still in the batch
-        if len(next_live) < len(live):
-            src_mask = src_mask[slot[next_live]]
-        _reorder(cache, index, t + 1, shrinking=len(next_live) < len(live))
-        live = next_live
-        tokens = beams.last_tokens()[live]
+        searching = [i for i, row in enumerate(live) if not beams.done[row]]
+        if len(searching) < len(live):  # sources that are done leave the batch; their beams' parents with them
+            parents = parents.view(len(live), K)[searching].view(-1)
+            if src_mask is not None:
+                src_mask = src_mask.view(len(live), K, -1)[searching].flatten(0, 1)
+            live = [live[i] for i in searching]
+        _reorder(cache, parents, t + 1, shrinking=len(parents) < len(tokens))
+        tokens = beams.last_tokens(live)
     return beams.best()
 
 
@@ -152,7 +159,8 @@ class Beams:
 
     Live hypotheses hold generated tokens only (no <s>, no prompt), in rows b * K + k like the model's
     batch. `advance` turns one step's log-probabilities into the next beams and returns the parent row each
-    new beam continues, so that the caller reorders its KV cache to match.
+    new beam continues, so that the caller reorders its KV cache to match. A new beam takes its parent's row
+    when no better beam of the same parent took it first, so that most rows continue their own cache.
     """
 
     limits: list[int]  # the most tokens each row may generate
@@ -163,54 +171,73 @@ class Beams:
     tokens: torch.Tensor  # (B*K, t) the live hypotheses
     finished: list[list[Hypothesis]]  # per row, every hypothesis that ended in </s> or at the row's limit
     done: list[bool]  # per row: no live beam can beat its best finished hypothesis any more
+    patience: float | None = None  # None: search exactly; p: a row is done with round(K * p) finished hypotheses
 
     @classmethod
-    def start(cls, limits: list[int], beam_size: int, alpha: float, eos_id: int, device: torch.device) -> Beams:
+    def start(
+        cls,
+        limits: list[int],
+        beam_size: int,
+        alpha: float,
+        eos_id: int,
+        device: torch.device,
+        patience: float | None = None,
+    ) -> Beams:
         """Empty hypotheses; only the first beam of a row is live, since K identical beams would expand alike."""
         if beam_size < 1:
             raise ValueError(f"beam_size is {beam_size}; it must be at least 1 (1 is greedy search)")
+        if patience is not None and not patience > 0:
+            raise ValueError(f"patience is {patience}; give a number above 0 (1 stops at beam_size finished), or None")
         scores = torch.full((len(limits), beam_size), float("-inf"), device=device)
         scores[:, 0] = 0.0
         tokens = torch.zeros(len(limits) * beam_size, 0, dtype=torch.long, device=device)
         done = [limit <= 0 for limit in limits]
-        return cls(limits, beam_size, alpha, eos_id, scores, tokens, [[] for _ in limits], done)
+        return cls(limits, beam_size, alpha, eos_id, scores, tokens, [[] for _ in limits], done, patience)
 
-    def advance(self, log_probs: torch.Tensor) -> torch.Tensor | None:
-        """Extends the beams by one token, given the next-token log-probabilities (B*K, V) of every beam.
+    def advance(self, log_probs: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor | None:
+        """Extends the beams of `rows` (default: all) by one token, given the next-token log-probabilities
+        (len(rows)*K, V) of their beams, in that order (the model's batch, which holds only the rows still searching).
 
-        Returns the parent row (B*K,) of each new beam, or None once every row is done.
+        Returns the parent of each new beam (len(rows)*K,) as a place in that batch, or None once every row is done.
         """
-        B, K = self.scores.shape
-        V = log_probs.shape[-1]
-        candidates = (self.scores.view(B * K, 1) + log_probs).view(B, K * V)
-        top_scores, top_index = candidates.topk(2 * K, dim=-1)  # (B, 2K): at least K are not </s>
+        K = self.beam_size
+        rows = range(len(self.limits)) if rows is None else rows
+        n, V = len(rows), log_probs.shape[-1]
+        device = self.tokens.device
+        scores = self.scores if n == len(self.limits) else self.scores[torch.tensor(list(rows), device=device)]
+        candidates = (scores.view(n * K, 1) + log_probs).view(n, K * V)
+        top_scores, top_index = candidates.topk(2 * K, dim=-1)  # (n, 2K): at least K are not </s>
         scores, parents, tokens = top_scores.tolist(), (top_index // V).tolist(), (top_index % V).tolist()
-        prefixes = self.tokens.view(B, K, self.tokens.shape[1]).tolist()
-        kept: list[list[Candidate]] = [[] for _ in range(B)]
-        for b in range(B):
-            if not self.done[b]:
-                kept[b] = self._select(b, zip(scores[b], parents[b], tokens[b], strict=True), prefixes[b])
+        placed: list[list[Candidate]] = []
+        for i, b in enumerate(rows):
+            kept = [] if self.done[b] else self._select(b, zip(scores[i], parents[i], tokens[i], strict=True))
+            placed.append(self._place(kept))
         if all(self.done):
             return None
-        dead = (float("-inf"), 0, self.eos_id)  # fills rows with fewer than K live beams
-        table = torch.tensor([row + [dead] * (K - len(row)) for row in kept], dtype=torch.float64)  # (B, K, 3)
-        device = self.tokens.device
-        flat_parents = (torch.arange(B)[:, None] * K + table[..., 1].long()).view(-1).to(device)
-        self.scores = table[..., 0].float().to(device)  # float64 holds the float32 scores and the ids exactly
-        self.tokens = torch.cat([self.tokens[flat_parents], table[..., 2].long().view(-1, 1).to(device)], 1)
-        return flat_parents
+        table = torch.tensor(placed, dtype=torch.float64)  # (n, K, 3): float64 holds float32 scores and ids exactly
+        parent_beams = table[..., 1].long()  # (n, K): each new beam's parent among the K of its row
+        B, advanced = len(self.limits), torch.tensor(list(rows), dtype=torch.long)
+        all_parents = torch.arange(B * K).view(B, K)  # rows that were not advanced keep their beams
+        all_parents[advanced] = advanced[:, None] * K + parent_beams
+        next_tokens = torch.full((B, K), self.eos_id, dtype=torch.long)
+        next_tokens[advanced] = table[..., 2].long()
+        self.scores[advanced.to(device)] = table[..., 0].float().to(device)
+        self.tokens = torch.cat([self.tokens[all_parents.view(-1).to(device)], next_tokens.view(-1, 1).to(device)], 1)
+        return (torch.arange(n)[:, None] * K + parent_beams).view(-1).to(device)
 
-    def _select(self, b: int, ranked: Iterable[Candidate], prefixes: list[list[int]]) -> list[Candidate]:
+    def _select(self, b: int, ranked: Iterable[Candidate]) -> list[Candidate]:
         """Moves row b's candidates ending in </s> to `finished`; returns the best K others as its next beams.
 
         As in fairseq, a </s> ranked below the K best candidates is not one of the beam's hypotheses and is
         dropped (so a one-wide beam is greedy search); at the row's limit every candidate finishes. A row is
         done once it has K finished hypotheses and the best of them beats anything a live beam can still
         reach: log-probabilities only fall, and lp() is at most lp(limit + 1), which a hypothesis stopped at
-        its row's limit of tokens gets.
+        its row's limit of tokens gets. With `patience` p a row is done once round(K * p) hypotheses finished,
+        whatever the live beams could still reach (CTranslate2's rule).
         """
         K = self.beam_size
-        last_step = len(prefixes[0]) + 1 >= self.limits[b]
+        length = self.tokens.shape[1]
+        last_step = length + 1 >= self.limits[b]
         kept: list[Candidate] = []
         for rank, (score, parent, token) in enumerate(ranked):
             if score == float("-inf"):
@@ -218,18 +245,43 @@ class Beams:
             if token == self.eos_id and rank >= K and not last_step:
                 continue
             if token == self.eos_id or last_step:
-                hypothesis = prefixes[parent] + ([] if token == self.eos_id else [token])
+                prefix = self.tokens[b * K + parent].tolist()
+                hypothesis = prefix + ([] if token == self.eos_id else [token])
                 self.finished[b].append((score / length_penalty(len(hypothesis) + 1, self.alpha), hypothesis))
             elif len(kept) < K:
                 kept.append((score, parent, token))
+        if self.patience is not None:
+            self.done[b] = not kept or len(self.finished[b]) >= max(1, round(K * self.patience))
+            return kept
         best_done = max((score for score, _ in self.finished[b]), default=float("-inf"))
         reachable = kept[0][0] / length_penalty(self.limits[b] + 1, self.alpha) if kept else float("inf")
         self.done[b] = not kept or (len(self.finished[b]) >= K and best_done >= reachable)
         return kept
 
-    def last_tokens(self) -> torch.Tensor:
-        """The newest token of every beam (B*K, 1): the next step's input."""
-        return self.tokens[:, -1:]
+    def _place(self, kept: list[Candidate]) -> list[Candidate]:
+        """The K beams of one row in slot order: each in its parent's slot if no better beam of that parent took it
+        (so its cache needs no copy), the others in the free slots, and dead beams (-inf, their own slot, </s>)
+        where fewer than K live."""
+        K = self.beam_size
+        slots: list[Candidate | None] = [None] * K
+        others = []
+        for candidate in kept:
+            if slots[candidate[1]] is None:
+                slots[candidate[1]] = candidate
+            else:
+                others.append(candidate)
+        free = iter(k for k in range(K) if slots[k] is None)
+        for candidate in others:
+            slots[next(free)] = candidate
+        return [(float("-inf"), k, self.eos_id) if c is None else c for k, c in enumerate(slots)]
+
+    def last_tokens(self, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """The newest token of every beam of `rows` (default: all) (len(rows)*K, 1): the next step's input."""
+        K = self.beam_size
+        if rows is None or len(rows) == len(self.limits):
+            return self.tokens[:, -1:]
+        beam_rows = torch.tensor([b * K + k for b in rows for k in range(K)], device=self.tokens.device)
+        return self.tokens[beam_rows, -1:]
 
     def best(self) -> list[list[int]]:
         """Each row's best finished hypothesis ([] for a row that may generate nothing)."""
@@ -293,11 +345,17 @@ def translate_ids(
     alpha: float = 0.6,
     batch_size: int = 32,
     extra_len: int = 50,
+    patience: float | None = None,
+    batch_tokens: int = 0,
+    progress: Callable[[int], object] | None = None,
 ) -> list[list[int]]:
     """Decodes each source (token ids, </s> appended here) into at most len(source) + 1 + `extra_len` tokens.
 
-    Sources are batched by length and results returned in input order. beam_size 1 means greedy search.
-    A source longer than the model's positions (max_seq_len, with its </s>) is a RequestError naming it.
+    Sources are batched by length and results returned in input order: a batch holds at most `batch_size`
+    sources and, with `batch_tokens`, at most that many padded source tokens (at least one source). beam_size 1
+    means greedy search; `patience` is beam search's early stop (`beam_search`). `progress(n)` is called as each
+    batch of n sources is done. A source longer than the model's positions (max_seq_len, with its </s>) is a
+    RequestError naming it.
     """
     limit = model.config.max_seq_len
     for i, source in enumerate(sources):
@@ -307,10 +365,8 @@ def translate_ids(
                 "positions; split it into shorter sentences"
             )
     device = next(model.parameters()).device
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     results: list[list[int]] = [[] for _ in sources]
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
+    for chunk in length_batches([len(source) + 1 for source in sources], batch_size, batch_tokens):
         rows = [[*sources[i], eos_id] for i in chunk]
         width = max(len(r) for r in rows)
         src = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
@@ -321,7 +377,27 @@ def translate_ids(
         if beam_size == 1:
             out = greedy_search(model, src, src_mask, max_len, bos_id, eos_id)
         else:
-            out = beam_search(model, src, src_mask, max_len, bos_id, eos_id, beam_size, alpha)
+            out = beam_search(model, src, src_mask, max_len, bos_id, eos_id, beam_size, alpha, patience)
         for i, ids in zip(chunk, out, strict=True):
             results[i] = ids
+        if progress is not None:
+            progress(len(chunk))
     return results
+
+
+def length_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int = 0) -> list[list[int]]:
+    """Indices of `lengths` sorted by length and cut into batches of at most `batch_size` items and, with
+    `batch_tokens`, at most that many padded tokens (items x the longest); an item longer than that goes alone."""
+    if batch_size < 1 or batch_tokens < 0:
+        raise ValueError(f"batch_size {batch_size} and batch_tokens {batch_tokens}: give batch_size >= 1, tokens >= 0")
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        batch = batches[-1] if batches else None
+        full = batch is None or len(batch) >= batch_size
+        if not full and batch_tokens and (len(batch) + 1) * lengths[i] > batch_tokens:
+            full = True  # sorted by length: the newest item is the longest
+        if full:
+            batches.append([i])
+        else:
+            batch.append(i)
+    return batches

@@ -7,7 +7,7 @@ through it, so a faster search or a new option reaches every caller at once.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tformer.checkpoints import load_translation_model
 from tformer.data.tokenizer import Tokenizer
@@ -35,14 +35,37 @@ class Translator:
         return cls(*load_translation_model(path))
 
     def translate_batch(
-        self, sentences: Sequence[str], beam_size: int = 4, alpha: float = 0.6, batch_size: int = 32
+        self,
+        sentences: Sequence[str],
+        beam_size: int = 4,
+        alpha: float = 0.6,
+        batch_size: int = 32,
+        patience: float | None = None,
+        batch_tokens: int = 0,
+        progress: Callable[[int], object] | None = None,
     ) -> list[str]:
         """Translations of plain sentences, in input order (sentences are batched by length); greedy when
-        `beam_size` is 1; `alpha` is the length penalty's exponent, ((5 + len) / 6) ** alpha."""
+        `beam_size` is 1; `alpha` is the length penalty's exponent, ((5 + len) / 6) ** alpha.
+
+        `patience` None searches exactly (until no live beam can beat the best finished hypothesis); a number p
+        stops a sentence once round(beam_size * p) hypotheses have finished, as CTranslate2's `patience`. A batch
+        holds at most `batch_size` sentences and, with `batch_tokens`, that many padded source tokens. `progress(n)`
+        is called as each batch of n sentences is done (a progress bar's `update`).
+        """
         tokenizer = self.tokenizer
         sources = tokenizer.encode_batch(list(sentences))
         ids = translate_ids(
-            self.model, sources, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, beam_size, alpha, batch_size
+            self.model,
+            sources,
+            tokenizer.bos_id,
+            tokenizer.eos_id,
+            tokenizer.pad_id,
+            beam_size,
+            alpha,
+            batch_size,
+            patience=patience,
+            batch_tokens=batch_tokens,
+            progress=progress,
         )
         return tokenizer.decode_batch(ids)
 

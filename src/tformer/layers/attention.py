@@ -30,6 +30,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 Backend = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 CPU_TRAINING_MATH_MAX_KEYS = 256  # longest key length at which CPU bf16 training takes the math path (see sdpa)
+SHARED_KEYS_MAX_QUERIES = 16  # most queries per row that take the matmul path when each sees every key (see sdpa)
 
 
 def sdpa_attention(
@@ -37,9 +38,10 @@ def sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     """torch's fused kernel (flash / memory-efficient / math, chosen by torch); GQA without copying K and V.
 
-    One exception: a batch of single queries in bf16/fp16 on the CPU (a batched decode step) goes to
-    `single_query_attention`, because torch's CPU kernel is slow there, many times two grouped matmuls' time. For
-    one row the kernel is as fast, and SmolLM2 decoded faster with it (docs/design-notes.md, "layers/attention.py").
+    One exception: a batch of single queries on the CPU (a batched decode step), or of a few queries that see every
+    key (the beams of a sentence over its cross-attention keys), goes to `single_query_attention`, because torch's
+    CPU kernel is slow there, many times two grouped matmuls' time, in fp32 as in bf16. For one row the kernel is as
+    fast, and SmolLM2 decoded faster with it (docs/design-notes.md, "layers/attention.py"; docs/translation.md).
 
     A second exception: bf16/fp16 training on the CPU over at most CPU_TRAINING_MATH_MAX_KEYS keys goes to the
     math path, since torch's CPU flash backward is slow for short sequences; past that the kernel wins. In fp32
@@ -49,7 +51,11 @@ def sdpa_attention(
         return long_attention(q, k, v, mask, dropout_p), None
     low_precision = q.dtype in (torch.bfloat16, torch.float16)
     on_cpu = q.device.type == "cpu"
-    if q.shape[2] == 1 and q.shape[0] > 1 and on_cpu and low_precision and not dropout_p:
+    # a few queries under one bias row, which only the beams of a sentence over its memory have (an encoder's bias
+    # has a row per query, and there the fused kernel is faster)
+    shared_row = mask.bias is not None and mask.bias.shape[2] == 1 and not mask.is_causal
+    few_queries = q.shape[2] == 1 or (shared_row and q.shape[2] <= SHARED_KEYS_MAX_QUERIES)
+    if few_queries and q.shape[0] > 1 and on_cpu and not dropout_p and not _needs_grad(q, k, v):
         return single_query_attention(q, k, v, mask), None
     if on_cpu and low_precision and q.requires_grad and k.shape[2] <= CPU_TRAINING_MATH_MAX_KEYS:
         return math_attention(q, k, v, mask, dropout_p)[0], None
@@ -158,22 +164,23 @@ def _attention_block(
 
 
 def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-    """softmax(q K^T / sqrt(d_k) + bias) V for one query per row (B, H, 1, D), the softmax in fp32.
+    """softmax(q K^T / sqrt(d_k) + bias) V for one query per row (B, H, 1, D), or a few (B, H, Tq, D) that each see
+    every key of their row but for the bias (no causal rule), the softmax in fp32.
 
-    The query heads that share a KV head are stacked as rows of one matmul against that head's keys, so K and
-    V are read once and never repeated. A single query sees every key under `is_causal` (Tq = Tk = 1).
+    The query heads that share a KV head are stacked, with their queries, as rows of one matmul against that head's
+    keys, so K and V are read once and never repeated. A single query sees every key under `is_causal` (Tq = Tk = 1).
     """
-    B, H, _, D = q.shape
+    B, H, n_queries, D = q.shape
     n_kv, n_keys = k.shape[1], k.shape[2]
-    grouped = q.reshape(B, n_kv, H // n_kv, D)  # query heads h*n_rep .. (h+1)*n_rep-1 read KV head h
-    scores = (grouped @ k.transpose(-2, -1)).float() * (D**-0.5)  # (B, Hkv, n_rep, Tk)
+    grouped = q.reshape(B, n_kv, H // n_kv * n_queries, D)  # query heads h*n_rep .. (h+1)*n_rep-1 read KV head h
+    scores = (grouped @ k.transpose(-2, -1)).float() * (D**-0.5)  # (B, Hkv, n_rep * Tq, Tk)
     if mask.bias is not None:
-        bias = mask.bias.float()  # (B|1, H|1, 1, Tk)
-        if bias.shape[1] > 1:  # a per-head bias (ALiBi): heads are grouped the same way
-            bias = bias.reshape(bias.shape[0], n_kv, -1, n_keys)
+        bias = mask.bias.float()  # (B|1, H|1, Tq|1, Tk)
+        if bias.shape[1] > 1 or bias.shape[2] > 1:  # per head (ALiBi) or per query: grouped as the queries are
+            bias = bias.expand(-1, H, n_queries, -1).reshape(bias.shape[0], n_kv, -1, n_keys)
         scores = scores + bias
     weights = torch.softmax(scores, dim=-1).to(v.dtype)
-    return (weights @ v).reshape(B, H, 1, D)
+    return (weights @ v).reshape(B, H, n_queries, D)
 
 
 def math_attention(
@@ -319,6 +326,7 @@ class Attention(nn.Module):
                 k, v = cache.update(cache_positions, k, v)  # (B, Hkv, Tk, D)
         elif cache is not None and cache.k is not None:
             k, v = cache.k, cache.v
+            mask = mask if cache.mask is None else cache.mask  # built once per batch (beam search)
         else:
             k, v = self.project_kv(context)
             if cache is not None:
@@ -327,7 +335,12 @@ class Attention(nn.Module):
         if self.heads != slice(None):  # a tensor-parallel shard: a per-head bias keeps this shard's heads
             bias = mask.bias if mask.bias is None or mask.bias.shape[1] == 1 else mask.bias[:, self.heads]
             mask = dataclasses.replace(mask, bias=bias, heads=self.heads)
+        beams = q.shape[0] // k.shape[0] if self.cross else 1  # > 1: keys held once per source (CrossKV.beams)
+        if beams > 1:  # the beams of a source are its queries: (B*K, H, T, D) -> (B, H, K*T, D)
+            q = q.unflatten(0, (-1, beams)).transpose(1, 2).flatten(2, 3)
         out, weights = self.attend(q, k, v, mask, dropout_p)  # (B, H, T, D)
+        if beams > 1:
+            out = out.unflatten(2, (beams, T)).transpose(1, 2).flatten(0, 1)  # (B*K, H, T, D)
         if self.keep_weights:
             self.last_weights = None if weights is None else weights.detach()
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)

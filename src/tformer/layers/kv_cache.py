@@ -7,12 +7,15 @@ may attend to, indexed by position. The paged cache of the inference engine foll
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from tformer.layers.masks import AttentionMask
 
 # Below this size a cache's zeros come from torch's allocator: a mapping of its own would be a page at least.
 ZERO_PAGES_MIN_BYTES = 1 << 20
@@ -95,30 +98,56 @@ class KVCache:
         return keys, values
 
     def reorder(self, index: torch.Tensor, length: int | None = None) -> None:
-        """Keeps batch rows `index` (beam search: each surviving hypothesis takes its parent's cache).
+        """Row i takes the cache of row `index[i]` (beam search: each surviving hypothesis its parent's); rows past
+        len(index) leave the batch.
 
-        With `length`, only the first `length` positions are copied (the rest is not written yet); when the
-        batch keeps its size, the copy goes into the existing tensors instead of new ones.
+        Only rows whose source differs are copied, in place: a beam that continues its own row copies nothing, and
+        a batch that drops rows keeps the first len(index) rows of the same tensors. With `length`, only the first
+        `length` positions are copied (the rest is not written yet).
         """
-        if length is not None:
-            length = min(length, self.k.shape[2])  # a rolling buffer holds at most its window
-        if length is None or len(index) != self.k.shape[0]:
+        if len(index) > self.k.shape[0]:  # a growing batch (a prompt's cache copied to its beams) needs new tensors
             self.k, self.v = self.k[index], self.v[index]
             return
-        self.k[:, :, :length] = self.k[index, :, :length]
-        self.v[:, :, :length] = self.v[index, :, :length]
+        length = self.k.shape[2] if length is None else min(length, self.k.shape[2])  # a rolling buffer: its window
+        moved = (index != torch.arange(len(index), device=index.device)).nonzero()[:, 0]
+        if len(moved):
+            source = index[moved]  # gathered before the write, so a row may be read and overwritten in one step
+            self.k[moved, :, :length] = self.k[source, :, :length]
+            self.v[moved, :, :length] = self.v[source, :, :length]
+        self.k, self.v = self.k[: len(index)], self.v[: len(index)]
 
 
 @dataclass
 class CrossKV:
-    """Cross-attention keys and values of the encoder memory, projected once per request."""
+    """Cross-attention keys and values of the encoder memory, projected once per request.
+
+    With `beams` > 1 (beam search) the keys and values are held once per source (B, Hkv, S, D) while the decoder's
+    batch holds B * beams rows, b * beams + k for beam k of source b: a source's beams attend as that many queries
+    over its keys, which are never repeated or reordered. `mask` is then the memory's padding rule (B, S), built once
+    per batch, which replaces the one the decoder builds each step.
+    """
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    beams: int = 1
+    mask: AttentionMask | None = None
 
     def reorder(self, index: torch.Tensor) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k[index], self.v[index]
+        """Keeps the rows of the decoder's batch that `index` names (beam rows, as KVCache.reorder): the keys of
+        their sources. Beams only ever continue beams of their own source, so with `beams` > 1 the index selects
+        whole sources, each the source of its first beam."""
+        if self.k is None:
+            return
+        if self.beams > 1:
+            index = index[:: self.beams] // self.beams
+        if self.mask is not None:
+            bias, padding = self.mask.bias, self.mask.key_padding
+            self.mask = dataclasses.replace(
+                self.mask,
+                bias=None if bias is None or bias.shape[0] == 1 else bias[index],
+                key_padding=None if padding is None else padding[index],
+            )
+        self.k, self.v = self.k[index], self.v[index]
 
 
 class SelfAttentionCache(Protocol):

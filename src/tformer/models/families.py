@@ -8,7 +8,8 @@ from torch import nn
 from tformer.config import ModelConfig
 from tformer.layers import make_norm
 from tformer.layers.ffn import ACTIVATIONS
-from tformer.layers.kv_cache import LayerCache
+from tformer.layers.kv_cache import CrossKV, LayerCache
+from tformer.layers.masks import build_mask
 from tformer.models.base import TransformerModel
 from tformer.models.heads import TASK_HEADS
 from tformer.models.recurrent import LSTMEncoderDecoder
@@ -56,9 +57,37 @@ class EncoderDecoder(TransformerModel):
         hidden = self.decoder(tgt, inputs, memory=memory, memory_padding=src_mask, cache=cache)
         return self.lm_head(hidden)
 
-    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> list[LayerCache]:
-        """Empty decoder caches for `batch_size` sequences of up to `max_len` target tokens."""
-        return self.decoder.new_cache(batch_size, max_len, dtype)
+    def new_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype | None = None,
+        memory: torch.Tensor | None = None,
+        src_mask: torch.Tensor | None = None,
+    ) -> list[LayerCache]:
+        """Empty decoder caches for `batch_size` sequences of up to `max_len` target tokens.
+
+        With `memory` (B, S, d) and its `src_mask`, the cross-attention keys and values are projected here, once per
+        source, and the memory's mask built once: batch_size is then B * K for K beams per source (rows b * K + k),
+        and `decode` takes memory=None and src_mask=None (CrossKV.beams).
+        """
+        caches = self.decoder.new_cache(batch_size, max_len, dtype)
+        if memory is None:
+            return caches
+        if batch_size % memory.shape[0]:
+            raise ValueError(f"a batch of {batch_size} rows cannot share the memory of {memory.shape[0]} sources")
+        mask = build_mask(
+            n_queries=1,
+            n_keys=memory.shape[1],
+            causal=False,
+            dtype=memory.dtype,
+            device=memory.device,
+            key_padding=src_mask,
+        )
+        for block, layer_cache in zip(self.decoder.layers, caches, strict=True):
+            k, v = block.cross_attn.project_kv(memory)  # (B, Hkv, S, D)
+            layer_cache.cross_attn = CrossKV(k, v, beams=batch_size // memory.shape[0], mask=mask)
+        return caches
 
     def forward(
         self,

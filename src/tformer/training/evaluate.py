@@ -47,6 +47,7 @@ def evaluate_translation(
     pairs: Sequence[tuple[str, str]],
     beam_size: int = 4,
     alpha: float = 0.6,
+    patience: float | None = None,
 ) -> TranslationResult:
     """Translates the sources of `pairs` and scores them against the references with sacreBLEU."""
     sources = [s for s, _ in pairs]
@@ -55,7 +56,7 @@ def evaluate_translation(
     # imported on use: a training run that never translates does not load the decoding package
     from tformer.decoding.translator import Translator
 
-    hypotheses = Translator(model, tokenizer).translate_batch(sources, beam_size, alpha)
+    hypotheses = Translator(model, tokenizer).translate_batch(sources, beam_size, alpha, patience=patience)
     seconds = time.perf_counter() - start
     bleu = sacrebleu.metrics.BLEU()
     score = bleu.corpus_score(hypotheses, [references])

@@ -91,10 +91,12 @@ def evaluate_checkpoint(
     beam_size: int = 4,
     alpha: float = 0.6,
     limit: int = 0,
+    patience: float | None = None,
 ) -> TranslationResult:
-    """sacreBLEU of a checkpoint on the embedded corpus's `split` or on a parallel file."""
+    """sacreBLEU of a checkpoint on the embedded corpus's `split` or on a parallel file (`patience`: the beam
+    search's early stop, Translator.translate_batch)."""
     translator = Translator.load(path)
     pairs = bible_pairs(data.split(":", 1)[1], split) if data.startswith("bible:") else read_parallel(data)
     return evaluate_translation(
-        translator.model, translator.tokenizer, pairs[:limit] if limit else pairs, beam_size, alpha
+        translator.model, translator.tokenizer, pairs[:limit] if limit else pairs, beam_size, alpha, patience
     )
