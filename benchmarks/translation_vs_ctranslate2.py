@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contention", action="store_true", help="measure the slowdown beside a busy process instead")
     p.add_argument("--contention-sentences", type=int, default=20, help="dev verses per contention run (default 20)")
     p.add_argument("--contention-repeats", type=int, default=3, help="timed passes per worker (default 3)")
+    p.add_argument(
+        "--wait-idle", type=float, default=300.0, help="--contention: first wait up to this long for a quiet machine"
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a contention worker's JSON settings
     return p.parse_args(argv)
 
@@ -271,8 +274,9 @@ def run_worker(settings: dict, args: argparse.Namespace, timeout: float = 300) -
 
 
 def contention(args: argparse.Namespace, out: Report) -> None:
-    from common import load_report, machine_info, median
+    from common import busy_processes, load_report, machine_info, median, wait_for_idle
 
+    waited, busy_now = wait_for_idle(args.wait_idle)  # a neighbour would turn the quiet runs into busy ones
     out(
         f"translation_vs_ctranslate2 --contention: beam {BEAM} on {args.contention_sentences} dev verses, quiet and "
         "beside one busy process pinned to core 0"
@@ -280,6 +284,7 @@ def contention(args: argparse.Namespace, out: Report) -> None:
     out(f"machine: {machine_info()}")
     out(f"command: {' '.join(sys.argv)}")
     out(load_report("before"))
+    out(f"waited {waited:.0f} s for other busy processes; busy now: {busy_now}")
     out()
     out("| setting | threads quiet / busy | quiet s | busy s | slowdown | quiet CPU s | busy CPU s |")
     out("|---|---:|---:|---:|---:|---:|---:|")
@@ -302,6 +307,7 @@ def contention(args: argparse.Namespace, out: Report) -> None:
             f"{median(loaded['cpu']):.2f} |"
         )
     out(load_report("after"))
+    out(f"other busy processes after: {busy_processes()}")
 
 
 def main(argv: list[str] | None = None) -> int:
