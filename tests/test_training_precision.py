@@ -35,3 +35,60 @@ def test_a_bf16_training_run_follows_the_fp32_loss_curve(tmp_path: Path, backend
     assert bf16[0] == pytest.approx(fp32[0], rel=1e-3)
     for step, (low, full) in enumerate(zip(bf16, fp32, strict=True)):
         assert low == pytest.approx(full, rel=5e-3), f"step {step}: bf16 {low:.4f} against fp32 {full:.4f}"
+
+
+# ---- fp16 with dynamic loss scaling ------------------------------------------------------------------------------
+
+
+def test_an_fp16_run_with_loss_scaling_follows_the_fp32_loss_curve(tmp_path: Path) -> None:
+    """fp16 autocast (10 significant bits, more than bf16's 7) with a GradScaler: every loss of 12 steps within
+    0.3% of fp32's (measured 2026-12-07: at most 0.01%), no step skipped at the initial scale 2^16."""
+    recipe = write_recipe(tmp_path, optimizer="adamw-cosine", lr=3e-3, warmup=2)
+    model = ("model.attn_dropout=0.0",)
+    fp32 = losses(recipe, *model, f"train.out_dir={tmp_path / 'fp32'}")
+    run = trainer(recipe, *model, "train.precision=fp16", f"train.out_dir={tmp_path / 'fp16'}")
+    stream = run.sampler.iterate(run.cursor)
+    fp16 = []
+    for step in range(12):
+        torch.manual_seed(step)
+        indices, _ = next(stream)
+        fp16.append(run.train_step([run._batch(indices, step)])[0])
+    assert fp32[-1] < 0.8 * fp32[0]
+    for step, (low, full) in enumerate(zip(fp16, fp32, strict=True)):
+        assert low == pytest.approx(full, rel=3e-3), f"step {step}: fp16 {low:.4f} against fp32 {full:.4f}"
+    assert run.precision.metrics() == {"loss_scale": 65536.0, "skipped_steps": 0}
+
+
+def test_an_overflowing_fp16_step_is_skipped_and_the_scale_halves(tmp_path: Path) -> None:
+    """An inf injected into one gradient: the weights and the optimizer state stay as they were, the scale goes
+    from 2^16 to 2^15, and the next (clean) step trains."""
+    recipe = write_recipe(tmp_path, optimizer="adamw-cosine", lr=3e-3, warmup=2)
+    run = trainer(recipe, "model.attn_dropout=0.0", "train.precision=fp16", f"train.out_dir={tmp_path / 'run'}")
+    stream = run.sampler.iterate(run.cursor)
+    batches = [[run._batch(next(stream)[0], step)] for step in range(2)]
+    before = {name: p.detach().clone() for name, p in run.model.named_parameters()}
+    victim = next(p for p in run.model.parameters() if p.requires_grad)
+    handle = victim.register_hook(lambda grad: grad * float("inf"))
+    loss, _ = run.train_step(batches[0])
+    handle.remove()
+    assert torch.isfinite(torch.tensor(loss))
+    assert run.precision.last_step_skipped
+    assert run.precision.metrics() == {"loss_scale": 32768.0, "skipped_steps": 1}
+    for name, p in run.model.named_parameters():
+        assert torch.equal(p, before[name]), f"{name} changed in a skipped step"
+    for state in run.optimizer.state.values():  # a fused AdamW makes its state, but counts no step
+        assert all(not bool(value.any()) for value in state.values()), "the skipped step reached the optimizer"
+    run.train_step(batches[1])
+    assert not run.precision.last_step_skipped
+    assert run.precision.metrics() == {"loss_scale": 32768.0, "skipped_steps": 1}
+    assert any(not torch.equal(p, before[name]) for name, p in run.model.named_parameters())
+
+
+def test_fp16_with_bf16_is_a_config_error(tmp_path: Path) -> None:
+    from tformer.errors import ConfigError
+
+    recipe = write_recipe(tmp_path)
+    with pytest.raises(ConfigError, match="fp16"):
+        trainer(recipe, "train.precision=fp16", "train.bf16=true")
+    with pytest.raises(ConfigError, match="precision"):
+        trainer(recipe, "train.precision=fp8")

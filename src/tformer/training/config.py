@@ -79,6 +79,10 @@ class TrainConfig(ConfigBase):
     clip_grad: float = 0.0  # max gradient norm; 0 disables clipping
     bf16: bool = False  # bf16 autocast
     bf16_weights: bool = False  # with bf16: train a bf16 copy, fp32 master weights (training/precision.py)
+    # "fp32", "bf16" (the same as bf16: true) or "fp16": float16 autocast with dynamic loss scaling (GradScaler)
+    precision: str = "fp32"
+    fp16_loss_scaling: bool = True  # fp16: scale the loss (false shows its small gradients underflow to zero)
+    fp16_initial_scale: float = 65536.0  # fp16: the first loss scale; it halves on overflow, doubles after 2000 steps
     max_steps: int = 100_000
     time_budget: float = 0.0  # seconds of training before stopping cleanly; 0 means no limit
     seed: int = 1
@@ -155,6 +159,14 @@ class TrainConfig(ConfigBase):
             raise ConfigError(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"lr must be a positive finite number, got {self.lr}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"train.precision must be 'fp32', 'bf16' or 'fp16', got '{self.precision}'")
+        if self.precision == "fp16" and (self.bf16 or self.bf16_weights):
+            raise ConfigError(
+                "train.precision fp16 trains in float16, so train.bf16 / bf16_weights cannot apply; remove them"
+            )
+        if not (math.isfinite(self.fp16_initial_scale) and self.fp16_initial_scale > 0):
+            raise ConfigError(f"train.fp16_initial_scale must be a positive number, got {self.fp16_initial_scale}")
         if self.bf16_weights and not self.bf16:
             raise ConfigError("train.bf16_weights is a bf16 mode: set train.bf16: true too, or remove bf16_weights")
         if self.pack and self.objective != "clm":

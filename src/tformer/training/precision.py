@@ -1,5 +1,5 @@
-"""How a training step computes: fp32, bf16 autocast (`train.bf16`), or a bf16 copy of the model with fp32
-master weights (`train.bf16_weights`).
+"""How a training step computes: fp32, bf16 autocast (`train.bf16`), a bf16 copy of the model with fp32
+master weights (`train.bf16_weights`), or fp16 autocast with dynamic loss scaling (`train.precision: fp16`).
 
 Under autocast every matmul casts its fp32 weight and its fp32 input to bf16 on each use, forward and backward,
 and the residual stream stays fp32. With bf16 weights the training forward and backward run on a bf16 copy of
@@ -73,11 +73,53 @@ class TrainingPrecision:
         self.module = self.weights.compute if self.weights else module  # what the training forward runs on
         self.model = self.weights.compute if self.weights else model  # the unwrapped module, for diagnosis
         self.device_type = dist.device.type
-        self.use_autocast = config.bf16 and not bf16_weights
+        self.use_autocast = (config.bf16 or config.precision == "bf16") and not bf16_weights
+        self.fp16 = config.precision == "fp16"
+        # fp16's 5 exponent bits lose gradients below 6e-8 (to zero) and above 65504 (to inf): the loss is
+        # multiplied by a scale before backward, the gradients divided by it after; a step whose gradients
+        # overflowed is skipped and the scale halved, and after growth_interval clean steps it doubles
+        # (Micikevicius et al., 2018)
+        enabled = self.fp16 and config.fp16_loss_scaling
+        self.scaler = torch.amp.GradScaler(self.device_type, config.fp16_initial_scale) if enabled else None
+        self.skipped_steps = 0
+        self.last_step_skipped = False
 
     def autocast(self) -> AbstractContextManager:
-        """bf16 autocast under `train.bf16` alone; nothing otherwise (fp32, or a model already in bf16)."""
+        """bf16 autocast under `train.bf16` alone, fp16 autocast under precision fp16; nothing otherwise (fp32,
+        or a model already in bf16)."""
+        if self.fp16:
+            return torch.autocast(self.device_type, torch.float16)
         return torch.autocast(self.device_type, torch.bfloat16) if self.use_autocast else nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), of the scaled loss under fp16 loss scaling."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """fp16 loss scaling: the gradients divided by the scale (before clipping), and any inf or NaN noted."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def skips(self, finite: bool) -> bool:
+        """Whether this step is skipped: under loss scaling, when its gradients (or loss) are not all finite."""
+        return self.scaler is not None and not finite
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """optimizer.step(); under loss scaling the scaler's step (which skips an overflowed step) and update."""
+        if self.scaler is None:
+            optimizer.step()
+            return
+        scale = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        self.last_step_skipped = self.scaler.get_scale() < scale
+        self.skipped_steps += self.last_step_skipped
+
+    def metrics(self) -> dict:
+        """The loss scale and the steps skipped so far, under fp16 loss scaling; nothing otherwise."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scale": self.scaler.get_scale(), "skipped_steps": self.skipped_steps}
 
     def after_backward(self) -> None:
         if self.weights is not None:

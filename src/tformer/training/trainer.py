@@ -223,15 +223,22 @@ class Trainer:
                 if aux is not None:
                     loss = loss + self.model_config.router_aux_loss_coef * aux / len(batches)
                     aux_total += aux.item() / len(batches)
-                loss.backward()
+                self.precision.backward(loss)  # fp16: of the scaled loss
             total += loss_sum.item()
         self.aux_loss = None if aux_total is None else self.dist.sum_over_data_parallel([aux_total])[0] / dp_size
         self.precision.after_backward()  # bf16 weights: their gradients become the fp32 masters'
+        self.precision.unscale(self.optimizer)  # fp16 loss scaling: true gradients before clipping
         total = self.dist.sum_over_data_parallel([total])[0]
         grad_norm = clip_gradients(
             self.model.parameters(), self.config.clip_grad if self.config.clip_grad > 0 else math.inf
         )
-        if not (math.isfinite(total) and torch.isfinite(grad_norm)):
+        finite = math.isfinite(total) and bool(torch.isfinite(grad_norm))
+        if self.precision.skips(finite):  # fp16 overflow: the scaler skips the step and halves its scale
+            self.grad_norm = grad_norm.item()
+            self.precision.step(self.optimizer)
+            self.scheduler.step()
+            return total / n_tokens, n_tokens
+        if not finite:
             culprit = None if self.dist.enabled else self._locate_non_finite(batches)
             raise TrainingDiverged(
                 diverged_message(
@@ -239,7 +246,7 @@ class Trainer:
                 )
             )
         self.grad_norm = grad_norm.item()
-        self.optimizer.step()
+        self.precision.step(self.optimizer)
         self.precision.after_step()
         self.scheduler.step()
         return total / n_tokens, n_tokens
@@ -300,6 +307,10 @@ class Trainer:
                         batches.append(dist.local_part(self._batch(indices, self.step * c.grad_accum + j)))
                 loss, n_tokens = self._step_or_explain(batches)
                 self.step += 1
+                if self.precision.last_step_skipped:
+                    self.progress.write(
+                        f"fp16: step {self.step} overflowed and was skipped; {self.precision.metrics()}"
+                    )
                 if (average := self.spikes.check(loss)) is not None:
                     self.progress.write(
                         f"warning: step {self.step}: loss {loss:.3f} jumped above "
@@ -321,6 +332,7 @@ class Trainer:
                             "lr": lr,
                             "grad_norm": self.grad_norm,
                             **({} if self.aux_loss is None else {"aux_loss": self.aux_loss}),
+                            **self.precision.metrics(),
                             "tokens_per_s": rate,
                             "elapsed": self.elapsed,
                         }
