@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import shlex
 
+import numpy as np
 import pytest
 import torch
 import transformers
+from gguf_writers import llama3_divisors
 
 from tformer import ConfigError, ModelConfig, build_model
 from tformer.cli import main as tformer_main
 from tformer.data.tokenizer import Tokenizer
-from tformer.interop.gguf import from_gguf, open_gguf
+from tformer.interop.gguf import dequantize_tensor, from_gguf, open_gguf
 from tformer.interop.gguf_arch import unpermute_rope_rows
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.interop.gguf_writer import permute_rope_rows, to_gguf
@@ -107,3 +109,40 @@ def test_other_families_and_types_are_refused(tmp_path):
     llama = build_model(ModelConfig.from_preset("tiny-llama"))
     with pytest.raises(ConfigError, match="q8_0"):
         to_gguf(llama, tmp_path / "x.gguf", type="q5_k")
+
+
+def test_llama3_rope_goes_out_as_rope_freqs(tmp_path, model_and_tokenizer):
+    """Llama 3's scaled RoPE goes out as the divisors llama.cpp's converter writes to rope_freqs, which give
+    tformer's reader back the model's logits."""
+    _, tokenizer = model_and_tokenizer
+    config = ModelConfig.from_preset("llama3.2-1b").to_dict() | {
+        "vocab_size": 320,
+        "d_model": 64,
+        "n_decoder_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "d_ff": 96,
+        "head_dim": 64,  # Llama 3.2's: frequencies in every band (kept, blended, divided by rope_factor)
+        "max_seq_len": 16384,
+        "rope_original_max_len": 8192,  # Llama 3.x's, which the reader assumes (GGUF has no key for it)
+    }
+    torch.manual_seed(2)
+    model = build_model(ModelConfig(**config)).eval()
+    file = tmp_path / "llama3.gguf"
+    to_gguf(model, file, tokenizer, "f16")
+    reader = open_gguf(file)
+    (freqs,) = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    rope = {
+        "rope_theta": config["rope_theta"],
+        "factor": config["rope_factor"],
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    expected = llama3_divisors(rope, 64)  # convert_hf_to_gguf.py's loop, copied independently
+    np.testing.assert_allclose(dequantize_tensor(reader, freqs).numpy(), expected, rtol=1e-6)
+    assert len(set(expected.tolist())) > 2  # unscaled, scaled and smoothed frequencies all present
+    # (transformers' GGUF loader ignores rope_freqs, so only tformer's reader, which applies it, is compared)
+    ids = torch.randint(0, 320, (1, 40))
+    reference = logits(f16_rounded(model), ids)
+    torch.testing.assert_close(logits(from_gguf(file).eval(), ids), reference, atol=1e-5, rtol=0)
