@@ -136,9 +136,17 @@ class MixtureOfExperts(nn.Module):
         counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()
         tokens, token_weights = (order // self.top_k).split(counts), weights.flatten()[order].split(counts)
         out = torch.zeros_like(x)
+        idle: list[torch.Tensor] = []
         for expert, rows, weight in zip(self.experts, tokens, token_weights, strict=True):
             if rows.numel():
                 out.index_add_(0, rows, (expert(x[rows]) * weight[:, None]).to(out.dtype))
+            elif self.training:
+                idle += [p.sum() for p in expert.parameters()]
+        if idle:
+            # an idle expert takes part times zero, so that its gradients are zeros rather than missing
+            # (DistributedDataParallel expects a gradient for every parameter in every step); running it on no
+            # rows instead left its gradients to an empty matmul, which is not zero on every CPU path
+            out = out + 0.0 * torch.stack(idle).sum().to(out.dtype)
         return out.reshape(shape)
 
 
