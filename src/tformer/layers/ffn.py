@@ -144,8 +144,7 @@ class MixtureOfExperts(nn.Module):
                 idle += [p.sum() for p in expert.parameters()]
         if idle:
             # an idle expert takes part times zero, so that its gradients are zeros rather than missing
-            # (DistributedDataParallel expects a gradient for every parameter in every step); running it on no
-            # rows instead left its gradients to an empty matmul, which is not zero on every CPU path
+            # (DistributedDataParallel expects a gradient for every parameter in every step)
             out = out + 0.0 * torch.stack(idle).sum().to(out.dtype)
         return out.reshape(shape)
 
