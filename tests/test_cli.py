@@ -234,3 +234,33 @@ def test_embed_prints_the_embedders_vectors_with_the_directorys_pooling(capsys):
         assert printed.shape == (2, 384) and (printed - expected).abs().max() <= 1e-6
     assert main(["embed", "x", "--model", str(path), "--pooling", "max"]) == 2
     assert "pooling must be one of" in capsys.readouterr().err
+
+
+def test_translate_reads_a_file_or_stdin_and_writes_translations_in_input_order(tmp_path, capsys, monkeypatch):
+    """--input/--output and stdin, batched by --batch-tokens, give Translator.translate_batch's translations line for
+    line; an empty line stays empty."""
+    import io
+
+    from helpers import trainer, write_recipe
+
+    from tformer.decoding.translator import Translator
+
+    recipe = write_recipe(tmp_path, max_steps=10, save_every=10)
+    trainer(recipe).fit()
+    capsys.readouterr()  # the training log
+    run = tmp_path / "run"
+    lines = ["three one four", "one", "", "five nine two six five three", "two seven", "eight eight one"]
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    filled = [line for line in lines if line]
+    expected = Translator.load(run).translate_batch(filled, beam_size=3)
+    expected_lines = [expected[filled.index(line)] if line else "" for line in lines]
+    out = tmp_path / "out.txt"
+    args = ["translate", "--model", str(run), "--input", str(source), "--output", str(out), "--beam", "3"]
+    assert main([*args, "--batch-tokens", "12"]) == 0
+    assert out.read_text(encoding="utf-8").split("\n")[:-1] == expected_lines
+    monkeypatch.setattr("sys.stdin", io.StringIO(source.read_text(encoding="utf-8")))
+    assert main(["translate", "--model", str(run), "--beam-size", "3", "--batch-size", "2"]) == 0
+    assert capsys.readouterr().out.split("\n")[:-1] == expected_lines
+    assert main(["translate", "one", "--model", str(run), "--input", str(source)]) == 2
+    assert "not both" in capsys.readouterr().err

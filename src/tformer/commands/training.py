@@ -18,20 +18,75 @@ def train(recipe: str, overrides: list[str], device: str = "cpu") -> None:
     run_recipe(recipe, overrides, device)
 
 
-def translate(sentences: list[str], *, model: str, beam_size: int = 4, alpha: float = 0.6) -> None:
-    """Translate sentences given as arguments, or one per line from stdin, with a trained checkpoint.
+def translate(
+    sentences: list[str],
+    *,
+    model: str,
+    input: str = "",
+    output: str = "",
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    patience: float = 0.0,
+    batch_size: int = 32,
+    batch_tokens: int = 0,
+) -> None:
+    """Translate sentences given as arguments, or a file (or stdin) one sentence a line, with a trained checkpoint.
 
     model: a checkpoint directory, or a training run directory (its best checkpoint is used)
-    sentences: source sentences; none means read stdin
-    beam_size: beam width; 1 is greedy search
+    sentences: source sentences; none means read --input, else stdin
+    input: a text file of source sentences, one a line (an empty line gives an empty line)
+    output: write the translations here, one a line in input order (default: stdout)
+    beam_size: beam width (--beam); 1 is greedy search
     alpha: length penalty exponent of ((5 + len) / 6) ** alpha
+    patience: stop a sentence once round(beam_size * patience) hypotheses have finished, as CTranslate2's
+      patience (1 is its default; 0 searches until no live beam can beat the best, tformer's exact search)
+    batch_size: most sentences a batch holds (batches are cut from the sentences sorted by length)
+    batch_tokens: most padded source tokens a batch holds (0: no limit but batch_size)
     """
     from tformer.decoding.translator import Translator
+    from tformer.errors import RequestError
 
+    if sentences and input:
+        raise RequestError("give sentences as arguments or --input FILE, not both")
+    if patience < 0:
+        raise RequestError(f"--patience is {patience}; give 0 (exact search) or a factor above 0, e.g. 1")
     translator = Translator.load(model)
-    lines = sentences or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    for line in translator.translate_batch(lines, beam_size, alpha):
-        print(line)
+    if sentences:
+        lines = list(sentences)
+    elif input:
+        try:
+            lines = Path(input).read_text(encoding="utf-8").splitlines()
+        except OSError as err:
+            raise RequestError(f"cannot read --input {input}: {err.strerror}") from None
+    else:
+        lines = sys.stdin.read().splitlines()
+    filled = [i for i, line in enumerate(lines) if line.strip()]  # an empty line stays an empty line
+    progress = None
+    if sys.stderr.isatty() and len(filled) > 1:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(filled), unit="sent", file=sys.stderr, leave=False)
+    try:
+        translated = translator.translate_batch(
+            [lines[i] for i in filled],
+            beam_size,
+            alpha,
+            batch_size,
+            patience=patience or None,
+            batch_tokens=batch_tokens,
+            progress=None if progress is None else progress.update,
+        )
+    finally:
+        if progress is not None:
+            progress.close()
+    results = [""] * len(lines)
+    for i, text in zip(filled, translated, strict=True):
+        results[i] = text
+    text = "".join(line + "\n" for line in results)
+    if output:
+        Path(output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
 
 
 def evaluate(
@@ -41,6 +96,7 @@ def evaluate(
     split: str = "test",
     beam_size: int = 4,
     alpha: float = 0.6,
+    patience: float = 0.0,
     limit: int = 0,
     block_size: int = 0,
 ) -> None:
@@ -51,6 +107,8 @@ def evaluate(
     data: 'bible:en-de' / 'bible:en-fr' (uses --split; language models read its English side) or a TSV / JSONL
         file of source and reference (language models: a text file, one line per example)
     split: dev or test, for the embedded corpus
+    patience: translation: stop a sentence once round(beam_size * patience) hypotheses have finished (CTranslate2's
+      patience; 0: exact search)
     limit: score only the first N sentences (0: all)
     block_size: decoder LMs: score the lines packed into blocks of this many tokens (0: each line on its own)
     """
@@ -62,12 +120,13 @@ def evaluate(
         print(f"{split + ' ' if data.startswith('bible:') else ''}{score.summary()}")
         return
 
-    result = evaluate_checkpoint(model, data, split, beam_size, alpha, limit)
+    result = evaluate_checkpoint(model, data, split, beam_size, alpha, limit, patience=patience or None)
     for sample in result.samples(3):
         print(f"src: {sample['source']}\nhyp: {sample['hypothesis']}\nref: {sample['reference']}\n")
     name = f"{split} " if data.startswith("bible:") else ""
     print(
-        f"{name}BLEU {result.bleu:.2f} on {len(result.hypotheses)} sentences, beam {beam_size}, decoded in "
+        f"{name}BLEU {result.bleu:.2f} on {len(result.hypotheses)} sentences, beam {beam_size}"
+        f"{f', patience {patience:g}' if patience else ''}, decoded in "
         f"{result.seconds:.0f} s ({result.signature})"
     )
 
