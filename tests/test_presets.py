@@ -97,3 +97,13 @@ def test_paper_models_are_about_the_published_size():
 
 def test_gpt3_is_175b():
     assert meta_count("gpt3-175b") == pytest.approx(175e9, rel=0.01)
+
+
+def test_tformer_presets_lists_each_released_count(capsys: pytest.CaptureFixture[str]) -> None:
+    from tformer.commands.inspect import presets
+
+    presets()
+    rows = {line.split()[0]: line.split()[-1] for line in capsys.readouterr().out.splitlines()}
+    assert rows.keys() == PRESETS.keys()
+    for name, count in RELEASED_COUNTS.items():
+        assert rows[name] == f"{count:,}"

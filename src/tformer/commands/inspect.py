@@ -63,8 +63,10 @@ def viz(kind: str, target: str, *, out: str, length: int = 100, model: str | Non
 
 
 def presets() -> None:
-    """List the named model configurations."""
+    """List the named model configurations with their parameter counts (built on the meta device: no memory)."""
+    from tformer.info import model_info
     from tformer.presets import PRESETS
 
     for name, values in PRESETS.items():
-        print(f"{name:18s} {values['family']}")
+        n_params = model_info(ModelConfig.from_preset(name)).n_params
+        print(f"{name:18s} {values['family']:22s} {n_params:>18,}")
