@@ -140,8 +140,9 @@ def test_presets_lists_configs_of_the_families_it_names(capsys) -> None:
     assert tformer_main(shlex.split("tformer presets")[1:]) == 0
     listed = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert len(listed) > 10
-    for name, family in listed:
+    for name, family, count in listed:
         assert ModelConfig.from_preset(name).family == family
+        assert int(count.replace(",", "")) > 0
 
 
 def gpt2_parameters(c: ModelConfig) -> tuple[int, int]:
