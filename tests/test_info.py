@@ -90,3 +90,18 @@ def test_moe_flops_count_the_chosen_experts_and_the_router():
     assert info.forward_flops_per_token * T == counter.get_total_flops()
     dense = model_info(replace(config, n_experts_per_token=4), context=T)
     assert dense.forward_flops_per_token - info.forward_flops_per_token == config.n_decoder_layers * 2 * 2 * expert
+
+
+def test_layers_of_mixed_windows_count_their_own_keys():
+    """Gemma-style layer_types: a sliding layer reads the last sliding_window keys, a full one all; the KV cache
+    keeps every token, as the engine does, once one layer sees every key."""
+    full = ModelConfig.from_preset("tiny-llama", n_decoder_layers=3)
+    mixed = replace(full, sliding_window=4, layer_types=["sliding", "full", "sliding"])
+    T = 16
+    saved = 2 * 4 * full.n_heads * full.head_dim * (T - 4)  # two sliding layers, 4 FLOPs per key and head dim
+    assert (
+        model_info(full, context=T).decoder_flops_per_token - model_info(mixed, context=T).decoder_flops_per_token
+        == saved
+    )
+    assert model_info(mixed, context=T).kv_cached_tokens == T
+    assert model_info(replace(mixed, layer_types=None), context=T).kv_cached_tokens == 4

@@ -62,9 +62,9 @@ def _linear_flops(module: nn.Module) -> int:
 
 def _stack_flops(config: ModelConfig, stack: nn.Module, context: int, cross_context: int = 0) -> int:
     """Forward FLOPs per token of one stack; `cross_context` source tokens are read by cross-attention."""
-    self_context = min(context, config.sliding_window) if stack.causal and config.sliding_window else context
-    per_layer = 4 * config.n_heads * config.head_dim * (self_context + cross_context)
-    return _linear_flops(stack) + len(stack.layers) * per_layer
+    windows = config.layer_windows() if stack.causal else [None] * len(stack.layers)  # Gemma: sliding and full
+    keys = sum(min(context, window or context) + cross_context for window in windows)
+    return _linear_flops(stack) + 4 * config.n_heads * config.head_dim * keys
 
 
 def model_info(config: ModelConfig, context: int | None = None, kv_dtype: str = "fp16") -> ModelInfo:
@@ -89,7 +89,7 @@ def model_info(config: ModelConfig, context: int | None = None, kv_dtype: str = 
     per_head = config.head_dim * DTYPE_BYTES[kv_dtype] + SCALE_BYTES.get(kv_dtype, 0)
     kv_per_layer_token = 2 * config.n_kv_heads * per_head
     decoder_layers = config.n_decoder_layers if config.has_decoder else 0
-    window = config.sliding_window or context
+    window = config.shared_window or context  # a layer that sees every key keeps every token, as the engine does
     return ModelInfo(
         n_params=model.num_parameters(),
         n_params_non_embedding=model.num_parameters(exclude_embeddings=True),
