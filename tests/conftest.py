@@ -55,6 +55,24 @@ def tokens(batch: int, length: int, vocab_size: int, seed: int = 1) -> torch.Ten
     return torch.randint(1, vocab_size, (batch, length), generator=generator)
 
 
+def right_padded(lengths: list[int], vocab_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rows of these lengths, right-padded with random tokens that only the mask hides."""
+    ids = tokens(len(lengths), max(lengths), vocab_size, seed)
+    mask = (torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]).long()
+    return ids, mask
+
+
+def seq2seq_max_difference(ours: TransformerModel, theirs: Any) -> float:
+    """max |tformer - transformers| of the logits at the real target positions of a padded batch."""
+    src, src_mask = right_padded([12, 9, 5], ours.config.vocab_size, seed=1)
+    tgt, tgt_mask = right_padded([7, 4, 6], ours.config.vocab_size, seed=2)
+    with torch.no_grad():
+        mine = ours(src, tgt, src_mask, tgt_mask)
+        out = theirs(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+    real = tgt_mask.bool()
+    return (mine[real] - out.logits[real]).abs().max().item()
+
+
 def logits(
     model: TransformerModel,
     ids: torch.Tensor,

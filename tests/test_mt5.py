@@ -12,10 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tokens
+from conftest import right_padded, seq2seq_max_difference
 from safetensors.torch import load_file
 
-from tformer import TransformerModel
 from tformer.decoding.search import greedy_search
 from tformer.engine import Engine, EngineConfig, SamplingParams
 from tformer.interop.hf import from_hf, to_hf
@@ -75,23 +74,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return get
 
 
-def right_padded(lengths: list[int], vocab_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = tokens(len(lengths), max(lengths), vocab_size, seed)
-    mask = (torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]).long()
-    return ids, mask
-
-
-def max_difference(ours: TransformerModel, theirs: Any) -> float:
-    """max |tformer - transformers| of the logits at the real target positions of a padded batch."""
-    src, src_mask = right_padded([12, 9, 5], ours.config.vocab_size, seed=1)
-    tgt, tgt_mask = right_padded([7, 4, 6], ours.config.vocab_size, seed=2)
-    with torch.no_grad():
-        mine = ours(src, tgt, src_mask, tgt_mask)
-        out = theirs(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
-    real = tgt_mask.bool()
-    return (mine[real] - out.logits[real]).abs().max().item()
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_from_hf_gives_the_logits_of_transformers(case: str, checkpoint) -> None:
     theirs, path = checkpoint(case)
@@ -99,7 +81,7 @@ def test_from_hf_gives_the_logits_of_transformers(case: str, checkpoint) -> None
     architecture, _, untied = CASES[case]
     assert ours.config.relative_attention_per_layer is architecture.startswith("UMT5")
     assert ours.config.tie_embeddings is not untied
-    assert max_difference(ours, theirs) <= TOLERANCE
+    assert seq2seq_max_difference(ours, theirs) <= TOLERANCE
 
 
 def test_umt5_layers_read_their_own_tables(checkpoint) -> None:
@@ -110,7 +92,7 @@ def test_umt5_layers_read_their_own_tables(checkpoint) -> None:
         for stack in (ours.encoder, ours.decoder):
             for table in stack.positions.relative_biases[1:]:
                 table.embedding.weight.copy_(stack.positions.relative_biases[0].embedding.weight)
-    assert max_difference(ours, theirs) > 100 * TOLERANCE
+    assert seq2seq_max_difference(ours, theirs) > 100 * TOLERANCE
 
 
 @pytest.mark.parametrize(
@@ -134,7 +116,7 @@ def test_to_hf_writes_the_checkpoint_back(
     assert all(torch.equal(back[name], original[name]) for name in back)
     theirs = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
     assert type(theirs).__name__ == written
-    assert max_difference(ours, theirs) <= TOLERANCE
+    assert seq2seq_max_difference(ours, theirs) <= TOLERANCE
 
 
 N_NEW = 12

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tokens, with_config
+from conftest import right_padded, seq2seq_max_difference, tokens, with_config
 
-from tformer import ModelConfig, TransformerModel, build_model
+from tformer import ModelConfig, build_model
 from tformer.decoding.search import greedy_search
 from tformer.errors import ConfigError
 from tformer.interop.hf import from_hf, to_hf
@@ -79,24 +79,6 @@ def t5_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return get
 
 
-def right_padded(lengths: list[int], vocab_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random rows of these lengths, right-padded with random tokens that only the mask hides."""
-    ids = tokens(len(lengths), max(lengths), vocab_size, seed)
-    mask = (torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]).long()
-    return ids, mask
-
-
-def max_difference(ours: TransformerModel, theirs: Any) -> float:
-    """max |tformer - transformers| of the logits at the real target positions of a padded batch."""
-    src, src_mask = right_padded([12, 9, 5], ours.config.vocab_size, seed=1)
-    tgt, tgt_mask = right_padded([7, 4, 6], ours.config.vocab_size, seed=2)
-    with torch.no_grad():
-        mine = ours(src, tgt, src_mask, tgt_mask)
-        out = theirs(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
-    real = tgt_mask.bool()
-    return (mine[real] - out.logits[real]).abs().max().item()
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_from_hf_gives_the_logits_of_transformers(case: str, t5_checkpoint) -> None:
     theirs, path = t5_checkpoint(case)
@@ -104,7 +86,7 @@ def test_from_hf_gives_the_logits_of_transformers(case: str, t5_checkpoint) -> N
     untied = CASES[case][1]
     assert ours.config.tie_embeddings is not untied
     assert ours.config.scale_decoder_output is theirs.config.scale_decoder_outputs
-    assert max_difference(ours, theirs) <= TOLERANCE
+    assert seq2seq_max_difference(ours, theirs) <= TOLERANCE
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -117,7 +99,7 @@ def test_to_hf_then_transformers_gives_the_same_logits(case: str, t5_checkpoint,
     assert type(theirs).__name__ == "T5ForConditionalGeneration"
     assert (theirs.lm_head.weight is theirs.shared.weight) is ours.config.tie_embeddings
     assert theirs.config.scale_decoder_outputs is ours.config.scale_decoder_output
-    assert max_difference(ours, theirs) <= TOLERANCE
+    assert seq2seq_max_difference(ours, theirs) <= TOLERANCE
 
 
 def test_a_model_trained_in_tformer_exports_both_head_settings(tmp_path: Path) -> None:
@@ -130,7 +112,7 @@ def test_a_model_trained_in_tformer_exports_both_head_settings(tmp_path: Path) -
     to_hf(ours, tmp_path)
     theirs = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path).eval()
     assert theirs.config.scale_decoder_outputs and theirs.lm_head.weight is not theirs.shared.weight
-    assert max_difference(ours, theirs) <= TOLERANCE
+    assert seq2seq_max_difference(ours, theirs) <= TOLERANCE
 
 
 @pytest.mark.parametrize("bidirectional", [True, False])
