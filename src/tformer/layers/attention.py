@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +136,20 @@ def chunked_attention(
     Under a causal rule a block reads keys up to its last query only, under a window of W only its last W + block
     keys: attention then costs O(T * W), not O(T^2).
     """
+    return by_query_blocks(_attention_block, q, k, v, mask, dropout_p)
+
+
+def by_query_blocks(
+    attend_block: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask,
+    *args: Any,
+) -> torch.Tensor:
+    """`attend_block(mask, span, *args, q_block, k_block, v_block)` over blocks of QUERY_BLOCK queries, each over
+    the keys it can see (`mask.key_range`), concatenated; a block that needs gradients is checkpointed, so that
+    backward rebuilds its bias instead of keeping it."""
     n_queries, n_keys = q.shape[2], k.shape[2]
     outputs = []
     for q_start in range(0, n_queries, QUERY_BLOCK):
@@ -143,9 +158,9 @@ def chunked_attention(
         span = (q_start, q_end, k_start, k_end, n_queries, n_keys)
         block = (q[:, :, q_start:q_end], k[:, :, k_start:k_end], v[:, :, k_start:k_end])
         if _needs_grad(*block):
-            outputs.append(checkpoint(_attention_block, mask, span, dropout_p, *block, use_reentrant=False))
+            outputs.append(checkpoint(attend_block, mask, span, *args, *block, use_reentrant=False))
         else:
-            outputs.append(_attention_block(mask, span, dropout_p, *block))
+            outputs.append(attend_block(mask, span, *args, *block))
     return torch.cat(outputs, dim=2)
 
 
@@ -225,20 +240,9 @@ def softcapped_attention(
     QUERY_BLOCK queries over the keys each can see, so memory stays linear in the length (as `chunked_attention`),
     each block checkpointed in training.
     """
-    n_queries, n_keys = q.shape[2], k.shape[2]
-    if mask.bias is not None or n_queries * n_keys <= QUERY_BLOCK * QUERY_BLOCK:
+    if mask.bias is not None or q.shape[2] * k.shape[2] <= QUERY_BLOCK * QUERY_BLOCK:
         return math_attention(q, k, v, mask, dropout_p, softcap)
-    outputs = []
-    for q_start in range(0, n_queries, QUERY_BLOCK):
-        q_end = min(q_start + QUERY_BLOCK, n_queries)
-        k_start, k_end = mask.key_range(q_start, q_end, n_queries, n_keys)
-        span = (q_start, q_end, k_start, k_end, n_queries, n_keys)
-        block = (q[:, :, q_start:q_end], k[:, :, k_start:k_end], v[:, :, k_start:k_end])
-        if _needs_grad(*block):
-            outputs.append(checkpoint(_capped_block, mask, span, dropout_p, softcap, *block, use_reentrant=False))
-        else:
-            outputs.append(_capped_block(mask, span, dropout_p, softcap, *block))
-    return torch.cat(outputs, dim=2), None
+    return by_query_blocks(_capped_block, q, k, v, mask, dropout_p, softcap), None
 
 
 def _capped_block(
