@@ -14,7 +14,7 @@ import torch
 
 from tformer.decoding.search import Beams
 from tformer.engine.blocks import BlockAllocator
-from tformer.engine.scheduler import SequenceState, Status
+from tformer.engine.scheduler import SequenceState
 
 
 class BeamGroup:
@@ -50,21 +50,7 @@ class BeamGroup:
                 members.append(None)
                 continue
             parent = self.members[parent_row]
-            members.append(
-                SequenceState(
-                    parent.request_id,
-                    parent.prompt,
-                    parent.params,
-                    output=self.beams.tokens[k].tolist(),
-                    table=allocator.fork(parent.table),
-                    n_computed=parent.n_computed,
-                    draft_computed=parent.draft_computed,
-                    status=Status.RUNNING,
-                    source=parent.source,
-                    encoder_state=parent.encoder_state,
-                    block_hashes=list(parent.block_hashes),  # its blocks are the parent's: their keys too
-                )
-            )
+            members.append(parent.fork(allocator, output=self.beams.tokens[k].tolist()))
         self.members = members
         return self.live
 

@@ -17,7 +17,7 @@ from tformer.engine.blocks import BlockAllocator
 from tformer.engine.runner import ModelRunner
 from tformer.engine.sampler import Fork
 from tformer.engine.sampling import SamplingParams, TokenLogprob, make_generator, token_logprob
-from tformer.engine.scheduler import Scheduler, SequenceState, Status
+from tformer.engine.scheduler import Scheduler, SequenceState
 from tformer.engine.structured import GrammarCompiler
 from tformer.engine.text import TextCodec
 from tformer.errors import RequestError
@@ -68,20 +68,11 @@ class Request:
         and constraints; the engine appends their first tokens): each shares every block of the prompt, and
         arrived with the request."""
         children = [
-            SequenceState(
-                parent.request_id,
-                parent.prompt,
-                parent.params,
-                fork.generator,
-                table=allocator.fork(parent.table),
-                n_computed=parent.n_computed,
-                draft_computed=parent.draft_computed,
-                status=Status.RUNNING,
+            parent.fork(
+                allocator,
+                generator=fork.generator,
                 arrival=parent.arrival,
-                source=parent.source,
-                encoder_state=parent.encoder_state,
                 index=fork.index,
-                block_hashes=list(parent.block_hashes),
                 constraint=fork.constraint,
             )
             for fork in forks

@@ -64,6 +64,23 @@ class SequenceState:
     block_hashes: list[BlockHash] = field(default_factory=list)  # prefix-cache keys of its published blocks
     constraint: Constraint | None = None  # structured outputs: which tokens may come next (structured.py)
 
+    def fork(self, allocator: BlockAllocator, **fields: object) -> SequenceState:
+        """A running sequence of the same request that shares every block of this one (copy-on-write) and has
+        computed as much; `fields` set the rest (a sample's generator and index, a beam's output)."""
+        return SequenceState(
+            self.request_id,
+            self.prompt,
+            self.params,
+            table=allocator.fork(self.table),
+            n_computed=self.n_computed,
+            draft_computed=self.draft_computed,
+            status=Status.RUNNING,
+            source=self.source,
+            encoder_state=self.encoder_state,
+            block_hashes=list(self.block_hashes),  # its blocks are this one's: their keys too
+            **fields,
+        )
+
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
