@@ -55,6 +55,7 @@ def run_server(
     draft_quantize: str | None = None,
     runs_dir: str | os.PathLike[str] | None = None,
     limits: ServerLimits | None = None,
+    device: str = "cpu",
 ) -> None:
     """Serves `model`, and the playground's dashboard of the runs under `runs_dir`, until interrupted; see
     `load_engine` for the other arguments. `limits` bound what clients may ask; on a loopback bind the Host
@@ -72,7 +73,9 @@ def run_server(
         return
 
     def build() -> Engine | EmbeddingEngine:
-        loaded = load_engine(model, engine_config, quantize, dtype, draft_model, draft_quantize, embeddings_only=True)
+        loaded = load_engine(
+            model, engine_config, quantize, dtype, draft_model, draft_quantize, embeddings_only=True, device=device
+        )
         if loaded.generates and loaded.config.compile:
             logger.info("compiling the decode steps before serving (cached for the next start)")
             warm_up(loaded)  # /health answers only once the server listens: 200 means a compiled engine is ready

@@ -130,11 +130,17 @@ def is_language_model(path: str | Path) -> bool:
 
 
 def evaluate_lm_checkpoint(
-    path: str | Path, data: str = "bible:en", split: str = "test", limit: int = 0, block_size: int = 0
+    path: str | Path,
+    data: str = "bible:en",
+    split: str = "test",
+    limit: int = 0,
+    block_size: int = 0,
+    device: str | torch.device = "cpu",
 ) -> LMScore:
-    """Scores a checkpoint on the embedded corpus's English `split` (any `bible:` name) or on a text file."""
+    """Scores a checkpoint on the embedded corpus's English `split` (any `bible:` name) or on a text file, on
+    `device`."""
     checkpoint = resolve_checkpoint(path)
-    model, tokenizer = load(checkpoint), Tokenizer.from_file(checkpoint)
+    model, tokenizer = load(checkpoint, device), Tokenizer.from_file(checkpoint)
     lines = bible_text(split) if data.startswith("bible:") else read_text(data)
     lines = lines[:limit] if limit else lines
     seqs = tokenizer.encode_batch(lines, add_bos=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import yaml
 
 from tformer.config import ConfigError, ModelConfig, read_config_file
@@ -92,10 +93,12 @@ def evaluate_checkpoint(
     alpha: float = 0.6,
     limit: int = 0,
     patience: float | None = None,
+    device: str | torch.device = "cpu",
 ) -> TranslationResult:
     """sacreBLEU of a checkpoint on the embedded corpus's `split` or on a parallel file (`patience`: the beam
-    search's early stop, Translator.translate_batch)."""
+    search's early stop, Translator.translate_batch), decoded on `device`."""
     translator = Translator.load(path)
+    translator.model.to(device)
     pairs = bible_pairs(data.split(":", 1)[1], split) if data.startswith("bible:") else read_parallel(data)
     return evaluate_translation(
         translator.model, translator.tokenizer, pairs[:limit] if limit else pairs, beam_size, alpha, patience
