@@ -146,3 +146,26 @@ def test_llama3_rope_goes_out_as_rope_freqs(tmp_path, model_and_tokenizer):
     ids = torch.randint(0, 320, (1, 40))
     reference = logits(f16_rounded(model), ids)
     torch.testing.assert_close(logits(from_gguf(file).eval(), ids), reference, atol=1e-5, rtol=0)
+
+
+def test_mixture_of_experts_goes_out_as_llama_cpp_writes_mixtral(tmp_path, model_and_tokenizer):
+    """A Mixtral-style model: `llama` with expert_count / expert_used_count, the router as ffn_gate_inp and each
+    expert matrix stacked into one (experts, out, in) tensor, which tformer's reader splits back (expert j's bytes
+    at offset j) to the model's f16-rounded logits; the stack order is checked against the model's own experts."""
+    _, tokenizer = model_and_tokenizer
+    config = ModelConfig.from_preset(
+        "tiny-llama", vocab_size=320, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, n_experts=3, n_experts_per_token=2
+    )
+    torch.manual_seed(3)
+    model = build_model(config).eval()
+    file = tmp_path / "moe-f16.gguf"
+    to_gguf(model, file, tokenizer, "f16")
+    reader = open_gguf(file)
+    assert (reader.get("llama.expert_count"), reader.get("llama.expert_used_count")) == (3, 2)
+    by_name = {t.name: t for t in reader.tensors}
+    up = dequantize_tensor(reader, by_name["blk.1.ffn_up_exps.weight"])
+    assert up.shape == (3, 96, 64)
+    for j in range(3):
+        torch.testing.assert_close(up[j], model.decoder.layers[1].ffn.experts[j].up_proj.weight.half().float())
+    assert dequantize_tensor(reader, by_name["blk.0.ffn_gate_inp.weight"]).shape == (3, 64)
+    torch.testing.assert_close(logits(from_gguf(file).eval(), IDS), logits(f16_rounded(model), IDS), atol=1e-5, rtol=0)

@@ -1,9 +1,13 @@
-"""Write LLaMA-style decoders as GGUF files (llama.cpp's format) for the `llama` architecture.
+"""Write LLaMA-style decoders as GGUF files (llama.cpp's format) for the `llama` architecture, Mixtral-style
+mixtures of experts included.
 
-The model goes out through the same table `to_hf` uses (as a LlamaForCausalLM checkpoint), and each tensor is
+The model goes out through the same table `to_hf` uses (as a LlamaForCausalLM or MixtralForCausalLM checkpoint),
+and each tensor is
 renamed with gguf-py's own name map, as llama.cpp's convert_hf_to_gguf.py does, with the one change that
 converter makes for llama: the q and k rows permuted into the interleaved pairs llama.cpp's RoPE rotates (the
-reader, `gguf_arch.unpermute_rope_rows`, undoes it). Llama 3's scaled RoPE goes out as `rope_freqs`.
+reader, `gguf_arch.unpermute_rope_rows`, undoes it). Llama 3's scaled RoPE goes out as `rope_freqs`. A mixture
+of experts goes out as llama.cpp writes Mixtral: `llama` with expert_count and expert_used_count, the router as
+`ffn_gate_inp` and each expert matrix of a layer stacked into one 3-D tensor (`ffn_{gate,up,down}_exps`).
 Matrices are stored as F16, Q8_0 or Q4_0 (`gguf.quants.quantize`); norms stay F32, as llama.cpp keeps them.
 The tokenizer must be byte-level BPE (what tformer trains and Llama 3 / Qwen use): it goes out as
 `tokenizer.ggml.model` "gpt2" with its tokens, merges, token types, special ids and chat template.
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -36,7 +41,12 @@ TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
 }
-SUPPORTED = "LLaMA-style decoders (family decoder, rope, rmsnorm, swiglu, no biases; GQA; tied or untied head)"
+SUPPORTED = (
+    "LLaMA-style decoders (family decoder, rope, rmsnorm, swiglu, no biases; GQA; tied or untied head; "
+    "Mixtral-style experts)"
+)
+# a Mixtral checkpoint's expert matrix: model.layers.{i}.block_sparse_moe.experts.{j}.{w1,w2,w3}.weight
+EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)(\.w[123])$")
 
 
 def permute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -46,15 +56,30 @@ def permute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, 2, rows // n_heads // 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
+def _hf_architecture(config: Any) -> str:
+    """The Hugging Face checkpoint the file's tensors are renamed from: llama.cpp's converter reads Mixtral's."""
+    return "MixtralForCausalLM" if config.n_experts else "LlamaForCausalLM"
+
+
 def _llama_fields(model: TransformerModel) -> dict[str, Any]:
     config = model.config
-    if config.family != "decoder" or config.n_experts:
+    if config.family != "decoder":
         raise ConfigError(f"--to gguf writes {SUPPORTED}; this is a '{config.family}' model")
     try:
-        _, fields = export_family(config, "LlamaForCausalLM")
+        _, fields = export_family(config, _hf_architecture(config))
     except CheckpointError as err:
         raise ConfigError(f"--to gguf writes {SUPPORTED}; this model is not one:\n{err}") from None
     return fields
+
+
+def _gguf_tensor_name(names: gguf.TensorNameMap, stem: str) -> tuple[str, int | None]:
+    """The GGUF name of a checkpoint tensor's stem, and the expert index for a matrix that goes into a stacked
+    3-D expert tensor (None otherwise)."""
+    expert = EXPERT_NAME.match(stem)
+    gguf_name = names.get_name(expert[1] + expert[3] if expert else stem)
+    if gguf_name is None:  # a table entry gguf-py does not know: a bug here, not the user's
+        raise CheckpointError(f"no GGUF name for tensor {stem}")
+    return gguf_name, int(expert[2]) if expert else None
 
 
 def _rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
@@ -151,7 +176,8 @@ def to_gguf(
     type: str = "f16",
     name: str = "tformer model",
 ) -> None:
-    """Write `model` (a LLaMA-style decoder) and its `tokenizer` as a GGUF file of architecture llama.
+    """Write `model` (a LLaMA-style decoder, or a Mixtral-style mixture of experts) and its `tokenizer` as a GGUF
+    file of architecture llama.
 
     type: f16, q8_0 or q4_0 for the matrices (a matrix whose rows are not whole 32-value blocks stays F16).
     Without a tokenizer the file holds no vocabulary, which llama.cpp refuses: pass one for llama.cpp.
@@ -160,22 +186,26 @@ def to_gguf(
         raise ConfigError(f"unknown GGUF type '{type}'; choose one of: {', '.join(TYPES)}")
     fields = _llama_fields(model)
     config, (qtype, file_type) = model.config, TYPES[type]
-    family, _ = export_family(config, "LlamaForCausalLM")
+    family, _ = export_family(config, _hf_architecture(config))
     base, head = family.tensors(config)
     hf_tensors = export_tensors(model, {family.prefixes[0] + n: entry for n, entry in base.items()} | head)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.n_decoder_layers)
     tensors: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}  # stacked tensor name -> expert index -> matrix
     for hf_name, tensor in hf_tensors.items():
         stem, suffix = hf_name.rsplit(".", 1)
-        gguf_name = names.get_name(stem)
-        if gguf_name is None:  # a table entry gguf-py does not know: a bug here, not the user's
-            raise CheckpointError(f"no GGUF name for tensor {hf_name}")
+        gguf_name, expert = _gguf_tensor_name(names, stem)
         tensor = tensor.float()
         if gguf_name.endswith("attn_q"):
             tensor = permute_rope_rows(tensor, config.n_heads)
         elif gguf_name.endswith("attn_k"):
             tensor = permute_rope_rows(tensor, config.n_kv_heads)
-        tensors[f"{gguf_name}.{suffix}"] = tensor.numpy()
+        if expert is None:
+            tensors[f"{gguf_name}.{suffix}"] = tensor.numpy()
+        else:
+            experts.setdefault(f"{gguf_name}.{suffix}", {})[expert] = tensor.numpy()
+    for stacked, by_index in experts.items():  # experts outermost, as llama.cpp's converter stacks them
+        tensors[stacked] = np.stack([by_index[j] for j in range(len(by_index))])
     rope = fields.get("rope_parameters") or {}
     if rope.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = _rope_freqs(rope, config.head_dim)
@@ -199,6 +229,9 @@ def to_gguf(
     writer.add_rope_freq_base(float(config.rope_theta))
     writer.add_layer_norm_rms_eps(float(config.norm_eps))
     writer.add_vocab_size(config.vocab_size)
+    if config.n_experts:
+        writer.add_expert_count(config.n_experts)
+        writer.add_expert_used_count(config.n_experts_per_token)
     if tokenizer is not None:
         _tokenizer_keys(writer, tokenizer, config.vocab_size)
     for tensor_name, tensor in tensors.items():
