@@ -11,6 +11,11 @@ the cache already holds. When blocks run out, the latest arrival among the runni
 samples and beams of a request share its arrival; among them, the last): its blocks go back to the pool and it
 waits to be recomputed from scratch, keeping the tokens it has generated so far.
 
+With `static_batching` the scheduler batches as Hugging Face `generate` and FasterTransformer do, for A/B runs
+against continuous batching (benchmarks/engine_claims.py): a batch is admitted while no sequence runs, and stays open
+across steps only while the token budget alone held admission back (long prompts prefilled in chunks) and none of
+it has begun to decode; the next batch then waits until every sequence of this one has finished.
+
 With speculative decoding (`lookahead` > 0), a decode step verifies up to `lookahead` draft tokens after the
 pending one, so the scheduler reserves (and charges the token budget for) that many more positions.
 """
@@ -123,8 +128,11 @@ class Scheduler:
         lookahead: int = 0,
         max_model_len: int | None = None,
         window: int | None = None,
+        static_batching: bool = False,
     ) -> None:
         self.allocator = allocator
+        self.static_batching = static_batching
+        self._batch_open = True  # static batching: whether waiting requests may still join the running batch
         self.window = window  # a sliding window: blocks wholly before it go back to the pool
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
@@ -232,6 +240,18 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if self.static_batching:
+            if not self.running:
+                self._batch_open = True
+            elif not self._batch_open or any(seq.output for seq in self.running):
+                return  # the batch has begun to decode: nothing joins it
+        budget = self._admit_waiting(out, budget)
+        if self.static_batching:  # left open only when the budget ran out before the batch or the queue did
+            self._batch_open = bool(self.waiting) and budget <= 0 and len(self.running) < self.max_seqs
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admits waiting sequences in order while the budget, the sequence limit and the blocks allow; returns the
+        budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             # a request asking its prompt's log-probabilities computes every prompt token
@@ -250,6 +270,7 @@ class Scheduler:
             self._insert_running(seq)
             self._reserve(seq, n, out, extra)
             budget -= n + extra
+        return budget
 
     def _reserve(self, seq: SequenceState, n: int, out: SchedulerOutput, extra: int = 0) -> None:
         """Blocks for `n` new tokens plus `extra` draft positions; the plan records both."""
