@@ -19,7 +19,7 @@ import yaml
 from tformer.errors import ConfigError
 from tformer.files import read_mapping
 
-FAMILIES = ("encoder-decoder", "decoder", "encoder", "ssm", "lstm-encoder-decoder")
+FAMILIES = ("encoder-decoder", "decoder", "encoder", "ssm", "lstm-encoder-decoder", "conv-encoder-decoder")
 POSITION_NAMES = ("sinusoidal", "learned", "rope", "alibi", "t5", "none")
 SINUSOIDAL_LAYOUT_NAMES = ("interleaved", "split")
 ROPE_SCALINGS = ("none", "linear", "dynamic-ntk", "yarn", "llama3")
@@ -212,6 +212,8 @@ class ModelConfig(ConfigBase):
     num_labels: int | None = None  # classification heads: the number of classes (models/heads.py)
     label_names: list[str] | None = None  # classification heads, optional: the name of each class, in id order
     lstm_hidden: int | None = None  # family 'lstm-encoder-decoder': LSTM width, even (bidirectional); None: d_model
+    conv_hidden: int | None = None  # family 'conv-encoder-decoder' (ConvS2S): conv channels; None: d_model
+    conv_kernel: int | None = None  # family 'conv-encoder-decoder': kernel width, odd; None: 3 (the paper's)
 
     # attention
     sliding_window: int | None = None
@@ -256,6 +258,8 @@ class ModelConfig(ConfigBase):
             self.moe_d_ff = self.d_ff
         if self.tgt_vocab_size is None:
             self.tgt_vocab_size = self.vocab_size
+        if self.family == "conv-encoder-decoder" and self.conv_kernel is None:
+            self.conv_kernel = 3
         if self.rope_original_max_len is None:
             self.rope_original_max_len = self.max_seq_len
         self._check_derived()
@@ -268,7 +272,7 @@ class ModelConfig(ConfigBase):
     @property
     def is_seq2seq(self) -> bool:
         """Whether the model maps a source to a target (translation): the Transformer's or the LSTM's."""
-        return self.family in ("encoder-decoder", "lstm-encoder-decoder")
+        return self.family in ("encoder-decoder", "lstm-encoder-decoder", "conv-encoder-decoder")
 
     @property
     def has_decoder(self) -> bool:
@@ -335,6 +339,7 @@ class ModelConfig(ConfigBase):
         self._check_attention()
         self._check_ssm()
         self._check_recurrent()
+        self._check_convolutional()
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
         if self.sinusoidal_base <= 1 or self.rope_theta <= 1:
@@ -504,6 +509,35 @@ class ModelConfig(ConfigBase):
             raise ConfigError(
                 f"family 'lstm-encoder-decoder' has no self-attention layers, so {', '.join(keys)} cannot apply; "
                 f"remove {', '.join(keys)} (defaults: none, softmax, false, 0) or use family 'encoder-decoder'"
+            )
+
+    def _check_convolutional(self) -> None:
+        """ConvS2S ignores the Transformer-only keys (heads, d_ff, norms) but refuses what it cannot do."""
+        family = "conv-encoder-decoder"
+        if self.family != family:
+            if keys := [key for key in ("conv_hidden", "conv_kernel") if getattr(self, key) is not None]:
+                raise ConfigError(f"{', '.join(keys)} applies to family '{family}' only, not '{self.family}'")
+            return
+        if self.n_encoder_layers < 1 or self.n_decoder_layers < 1:
+            raise ConfigError(f"family '{family}' needs n_encoder_layers and n_decoder_layers >= 1")
+        if self.conv_kernel is not None and (self.conv_kernel < 1 or self.conv_kernel % 2 == 0):
+            raise ConfigError(
+                f"conv_kernel must be odd and at least 1 (the encoder's kernel is centred on each token; the "
+                f"paper uses 3), got {self.conv_kernel}"
+            )
+        if self.conv_hidden is not None and self.conv_hidden < 1:
+            raise ConfigError(f"conv_hidden must be at least 1 (or null for d_model), got {self.conv_hidden}")
+        if self.position != "learned":
+            raise ConfigError(
+                f"family '{family}' adds learned position embeddings to its tokens (as ConvS2S does), got position "
+                f"'{self.position}'; set position: learned"
+            )
+        wrong = {"sliding_window": self.sliding_window is not None, "attention": self.attention != "softmax"}
+        wrong |= {"activation_checkpointing": self.activation_checkpointing, "type_vocab_size": self.type_vocab_size}
+        if keys := [key for key, value in wrong.items() if value]:
+            raise ConfigError(
+                f"family '{family}' has no self-attention layers, so {', '.join(keys)} cannot apply; remove "
+                f"{', '.join(keys)} (defaults: none, softmax, false, 0) or use family 'encoder-decoder'"
             )
 
     def _check_relative_buckets(self) -> None:

@@ -11,6 +11,7 @@ from tformer.layers.ffn import ACTIVATIONS
 from tformer.layers.kv_cache import CrossKV, LayerCache
 from tformer.layers.masks import build_mask
 from tformer.models.base import TransformerModel
+from tformer.models.convolutional import ConvS2S
 from tformer.models.heads import TASK_HEADS
 from tformer.models.recurrent import LSTMEncoderDecoder
 from tformer.models.ssm import SSMLM
@@ -212,5 +213,6 @@ MODELS: dict[str, type[TransformerModel]] = {
     "decoder": DecoderLM,
     "encoder": EncoderMLM,
     "lstm-encoder-decoder": LSTMEncoderDecoder,  # the recurrent baseline with Luong attention (models/recurrent.py)
+    "conv-encoder-decoder": ConvS2S,  # the convolutional baseline, ConvS2S (models/convolutional.py)
     "ssm": SSMLM,  # a Mamba LM, the Transformer LM's O(n) counterpart (models/ssm.py)
 }

@@ -25,7 +25,11 @@ OBJECTIVE_FAMILIES = {  # the model family each objective trains
 }
 OBJECTIVE_NAMES = tuple(OBJECTIVE_FAMILIES)
 # families outside OBJECTIVE_FAMILIES: the objectives each trains with
-OTHER_FAMILY_OBJECTIVES = {"ssm": ("clm",), "lstm-encoder-decoder": ("seq2seq",)}
+OTHER_FAMILY_OBJECTIVES = {
+    "ssm": ("clm",),
+    "lstm-encoder-decoder": ("seq2seq",),
+    "conv-encoder-decoder": ("seq2seq",),
+}
 PARALLEL_STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp+tp")  # how several processes share the work
 FSDP_SHARDINGS = ("full", "grad-op")  # ZeRO-3 / ZeRO-2
 FSDP_DTYPES = ("float32", "bfloat16")
