@@ -73,6 +73,8 @@ class TrainConfig(ConfigBase):
     max_tokens: int = 4096  # token budget per batch (fairseq --max-tokens)
     grad_accum: int = 1
     pack: bool = False  # clm: train on blocks of max_len tokens of the concatenated corpus (data/packing.py)
+    # a directory that `tformer prepare` wrote from `corpus`: train from its memory-mapped shards (data/shards.py)
+    prepared: str | None = None
 
     # optimization
     optimizer: str = "adam-noam"
