@@ -1,5 +1,5 @@
-"""The strided Sparse Transformer (Child et al., 2019) and the elu + 1 Linear Transformer (Katharopoulos et al.,
-2020): each against its plain formula, cached against uncached, and a tiny model of each trains."""
+"""The strided and fixed Sparse Transformer (Child et al., 2019) and the elu + 1 Linear Transformer (Katharopoulos
+et al., 2020): each against its plain formula, cached against uncached, and a tiny model of each trains."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tformer.engine.engine import Engine, EngineConfig
 from tformer.engine.sampling import SamplingParams
 from tformer.errors import ConfigError
 from tformer.layers.linear_attention import CHUNK, elu_linear_attention, elu_linear_attention_recurrent
-from tformer.layers.sparse_attention import strided_attention
+from tformer.layers.sparse_attention import fixed_attention, strided_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,6 +74,62 @@ def test_strided_queries_at_their_own_slots() -> None:
         torch.testing.assert_close(out[b : b + 1], ref, rtol=1e-5, atol=1e-5)
 
 
+# ---- fixed: blocks of l keys, the last c of each block seen by every later block -----------------------------------
+
+
+def fixed_reference(q, k, v, block, summary, key_padding=None):
+    """Dense softmax under the fixed pattern written pair by pair from the paper's definition: A1 = {j : floor(j / l)
+    = floor(i / l)}, A2 = {j : j mod l in {l - c, ..., l - 1}}, each restricted to j <= i; queries at the last Tq."""
+    B, H, Tq, D = q.shape
+    n_keys = k.shape[2]
+    allowed = torch.zeros(B, Tq, n_keys, dtype=torch.bool)
+    for b in range(B):
+        for a in range(Tq):
+            i = n_keys - Tq + a
+            for j in range(i + 1):
+                in_pattern = j // block == i // block or j % block >= block - summary
+                allowed[b, a, j] = in_pattern and (key_padding is None or bool(key_padding[b, j]))
+    n_rep = H // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~allowed[:, None], -1e30)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize(("block", "summary"), [(1, 1), (4, 1), (5, 2), (6, 6), (40, 3)])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("n_queries", [23, 1, 6], ids=["full", "cached step of 1", "cached chunk of 6"])
+def test_fixed_equals_dense_softmax_under_the_pattern(block: int, summary: int, padded: bool, n_queries: int) -> None:
+    q, k, v = qkv(3, 4, 2, n_queries, 23)
+    key_padding = padding(3, 23) if padded else None
+    out = fixed_attention(q, k, v, block, summary, key_padding=key_padding)
+    ref = fixed_reference(q, k, v, block, summary, key_padding)
+    real = slice(None) if key_padding is None else key_padding[:, -n_queries:]  # a padded query's output is unread
+    torch.testing.assert_close(out.transpose(1, 2)[real], ref.transpose(1, 2)[real], rtol=1e-5, atol=1e-5)
+
+
+def test_fixed_queries_at_their_own_slots() -> None:
+    q, k, v = qkv(2, 2, 2, 1, 20)
+    slots = torch.tensor([[9], [19]])
+    out = fixed_attention(q, k, v, 4, 2, query_slots=slots)
+    for b, s in enumerate((9, 19)):
+        ref = fixed_reference(q[b : b + 1], k[b : b + 1, :, : s + 1], v[b : b + 1, :, : s + 1], 4, 2)
+        torch.testing.assert_close(out[b : b + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fixed_pattern_hides_keys_outside_it() -> None:
+    """Blocks of 4, the last 1 of each summarizes it: position 11 (block 2) sees 8..11 and 3, 7, not 5 or 6."""
+    config = tiny_config("tiny-llama", attention="fixed", sparse_stride=4, sparse_summary=1, n_decoder_layers=1)
+    model = make_model(config)
+    ids = tokens(1, 12, model.config.vocab_size)
+    changed, seen = ids.clone(), ids.clone()
+    changed[0, 6] = (changed[0, 6] + 1) % model.config.vocab_size  # block 1, not its last slot
+    seen[0, 7] = (seen[0, 7] + 1) % model.config.vocab_size  # block 1's summary slot
+    with torch.no_grad():
+        base, a, b = model(ids)[0, -1], model(changed)[0, -1], model(seen)[0, -1]
+    torch.testing.assert_close(a, base, rtol=0, atol=1e-6)
+    assert (b - base).abs().max() > 1e-4
+
+
 # ---- linear: the quadratic form phi(Q) phi(K)^T V, normalized ----------------------------------------------------
 
 
@@ -119,10 +175,10 @@ def test_linear_recurrent_form_equals_the_parallel_form() -> None:
 
 
 def variant_config(attention: str):
-    return tiny_config("tiny-llama", attention=attention, sparse_stride=3)
+    return tiny_config("tiny-llama", attention=attention, sparse_stride=3, sparse_summary=2)
 
 
-@pytest.mark.parametrize("attention", ["strided", "linear"])
+@pytest.mark.parametrize("attention", ["strided", "fixed", "linear"])
 def test_cached_logits_equal_the_full_forward(attention: str) -> None:
     """Prefill, then a chunk of 3 and single tokens on the KV cache: the logits of one full forward."""
     model = make_model(variant_config(attention))
@@ -135,7 +191,7 @@ def test_cached_logits_equal_the_full_forward(attention: str) -> None:
     torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["strided", "linear"])
+@pytest.mark.parametrize("attention", ["strided", "fixed", "linear"])
 def test_engine_greedy_equals_the_uncached_forward(attention: str) -> None:
     """The engine's paged cache with chunked prefill: each row's queries at their own slots."""
     model = make_model(variant_config(attention))
@@ -160,7 +216,7 @@ def test_strided_pattern_hides_keys_outside_it() -> None:
     assert (b - base).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("attention", ["strided", "linear"])
+@pytest.mark.parametrize("attention", ["strided", "fixed", "linear"])
 def test_tiny_model_trains(attention: str) -> None:
     model = make_model(variant_config(attention)).train()
     ids = tokens(4, 24, model.config.vocab_size)
@@ -182,6 +238,10 @@ def test_config_errors() -> None:
         tiny_config("tiny-bert", attention="strided")
     with pytest.raises(ConfigError, match="sparse_stride"):
         tiny_config("tiny-llama", attention="strided", sparse_stride=0)
+    with pytest.raises(ConfigError, match="attention 'fixed' .* family 'decoder'"):
+        tiny_config("tiny-bert", attention="fixed")
+    with pytest.raises(ConfigError, match="1 <= sparse_summary <= sparse_stride"):
+        tiny_config("tiny-llama", attention="fixed", sparse_stride=4, sparse_summary=5)
     with pytest.raises(ConfigError, match="ALiBi"):
         tiny_config("tiny-llama", attention="linear", position="alibi")
     with pytest.raises(ConfigError, match="attn_dropout"):

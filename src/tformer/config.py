@@ -27,7 +27,7 @@ FFN_NAMES = ("relu", "gelu", "gelu-tanh", "silu", "swiglu", "geglu", "geglu-tanh
 NORM_NAMES = ("layernorm", "rmsnorm", "rmsnorm-plus-one")
 NORM_PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 ATTENTION_BACKEND_NAMES = ("sdpa", "math")
-ATTENTION_NAMES = ("softmax", "longformer", "performer", "strided", "linear")
+ATTENTION_NAMES = ("softmax", "longformer", "performer", "strided", "fixed", "linear")
 # what each decoder layer's self-attention sees (config.layer_types); a table, not a registry: the stack reads it
 # through ModelConfig.layer_windows
 LAYER_TYPES = {"sliding": "the last sliding_window keys", "full": "every earlier key"}
@@ -223,10 +223,12 @@ class ModelConfig(ConfigBase):
     attention_backend: str = "sdpa"
     scale_attention: bool = True  # scores q.k / sqrt(head_dim); T5 leaves them unscaled (folded into its init)
     attention: str = "softmax"  # self-attention: "softmax", "longformer" (local window + global tokens), "performer",
-    # "strided" (Sparse Transformer), "linear" (elu + 1 linear attention)
+    # "strided" and "fixed" (Sparse Transformer), "linear" (elu + 1 linear attention)
     attention_window: int = 512  # longformer: each token sees attention_window // 2 neighbours on each side
     performer_features: int = 256  # performer: random features approximating the softmax kernel (FAVOR+)
-    sparse_stride: int = 64  # strided (Sparse Transformer): the last `sparse_stride` keys and every stride-th one
+    sparse_stride: int = 64  # strided (Sparse Transformer): the last `sparse_stride` keys and every stride-th one;
+    # fixed: the block length l (a query sees its own block so far)
+    sparse_summary: int = 8  # fixed: the last `sparse_summary` keys of every earlier block (the paper's c)
     activation_checkpointing: bool = False
 
     # family 'ssm' (Mamba): state size N per channel, causal conv width, inner width = ssm_expand * d_model
@@ -445,7 +447,7 @@ class ModelConfig(ConfigBase):
                 raise ConfigError(
                     "attention 'longformer' always scales its scores by 1/sqrt(head_dim); set scale_attention: true"
                 )
-        if self.attention in ("strided", "linear"):
+        if self.attention in ("strided", "fixed", "linear"):
             self._check_strided_or_linear()
         if self.attention == "performer":
             if self.position in ("alibi", "t5") or self.sliding_window is not None:
@@ -469,15 +471,21 @@ class ModelConfig(ConfigBase):
                 f"attention '{name}' adds no bias matrix and has its own sparsity, so it cannot add ALiBi's or T5's "
                 "bias or a sliding window; use position 'rope', 'learned' or 'sinusoidal' and no sliding_window"
             )
-        if name == "strided":
+        if name in ("strided", "fixed"):
             if self.family != "decoder":
                 raise ConfigError(
-                    f"attention 'strided' is the Sparse Transformer's causal pattern, so it applies to family "
+                    f"attention '{name}' is the Sparse Transformer's causal pattern, so it applies to family "
                     f"'decoder', got '{self.family}'; use attention 'linear' or 'softmax' there"
                 )
             if self.sparse_stride < 1:
                 raise ConfigError(
                     f"sparse_stride must be at least 1 (about sqrt(context) is usual), got {self.sparse_stride}"
+                )
+            if name == "fixed" and not 1 <= self.sparse_summary <= self.sparse_stride:
+                raise ConfigError(
+                    f"attention 'fixed' lets later blocks see the last sparse_summary keys of each block of "
+                    f"sparse_stride, so 1 <= sparse_summary <= sparse_stride is needed, got {self.sparse_summary} "
+                    f"and {self.sparse_stride} (the paper: 8 to 32 of 128)"
                 )
         elif self.attn_dropout > 0:
             raise ConfigError(

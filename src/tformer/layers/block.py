@@ -23,7 +23,7 @@ from tformer.layers.linear_attention import LinearAttention, PerformerAttention
 from tformer.layers.masks import AttentionMask
 from tformer.layers.norms import make_norm
 from tformer.layers.positions import Rotary
-from tformer.layers.sparse_attention import LongformerAttention, StridedAttention
+from tformer.layers.sparse_attention import FixedAttention, LongformerAttention, StridedAttention
 
 Sublayer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -72,6 +72,7 @@ SELF_ATTENTIONS: dict[str, type[nn.Module]] = {
     "longformer": LongformerAttention,
     "performer": PerformerAttention,
     "strided": StridedAttention,
+    "fixed": FixedAttention,
     "linear": LinearAttention,
 }
 

@@ -9,6 +9,9 @@ Cost, for T tokens, H heads of width D, a one-sided window w and G global tokens
 block by block, each block of b = min(w, T) queries against the (2r + 1) * b keys around it (r = ceil(w / b),
 at most the number of other blocks), so time is O(H * T * (3w + G) * D) and memory O(H * T * (3w + G)): about
 3w scores per query where 2w + 1 are used, and never a T x T matrix. The global rows add O(H * G * T).
+
+The Sparse Transformer's two causal patterns (Child et al., 2019) follow: `strided` and `fixed`, each query
+gathering its pattern's keys and taking one softmax over them.
 """
 
 from __future__ import annotations
@@ -191,7 +194,7 @@ class LongformerAttention(nn.Module):
         return out[:, :, :T]
 
 
-# ---- the Sparse Transformer's strided pattern (Child et al., 2019) -------------------------------------------------
+# ---- the Sparse Transformer's strided and fixed patterns (Child et al., 2019) --------------------------------------
 
 
 def strided_key_slots(query_slots: torch.Tensor, stride: int, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,6 +209,30 @@ def strided_key_slots(query_slots: torch.Tensor, stride: int, n_keys: int) -> tu
     strided = torch.arange(1, math.ceil(n_keys / stride) + 1, device=query_slots.device) * stride
     slots = query_slots[..., None] - torch.cat([local, strided])  # (..., Tq, stride + M)
     return slots.clamp_min(0), slots >= 0
+
+
+def fixed_key_slots(
+    query_slots: torch.Tensor, block: int, summary: int, n_keys: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys a causal query at slot i sees under the fixed pattern, as (..., Tq, block + c * n_blocks) slots and
+    validity (c = `summary`, n_blocks = ceil(n_keys / block)).
+
+    The pattern is the union of the paper's two heads: A1, the slots of i's own block of `block` slots up to i
+    (floor(j / block) == floor(i / block), j <= i), and A2, the last c slots of every block (j mod block >= block - c).
+    A2's slots in i's own block lie in A1 as well, so A2 contributes those of the earlier blocks only, and the two
+    lists never overlap. Invalid slots are marked (index 0 stands in for them).
+    """
+    device = query_slots.device
+    own_block = query_slots // block  # (..., Tq)
+    local = (own_block * block)[..., None] + torch.arange(block, device=device)  # (..., Tq, block)
+    local_ok = local <= query_slots[..., None]
+    n_blocks = math.ceil(n_keys / block)
+    firsts = torch.arange(n_blocks, device=device) * block + block - summary
+    summaries = (firsts[:, None] + torch.arange(summary, device=device)).flatten()  # (n_blocks * c,)
+    summary_ok = summaries // block < own_block[..., None]  # (..., Tq, n_blocks * c): earlier blocks only
+    slots = torch.cat([local, summaries.expand(*local.shape[:-1], -1)], -1)
+    ok = torch.cat([local_ok, summary_ok], -1)
+    return torch.where(ok, slots, 0), ok
 
 
 def strided_attention(
@@ -224,11 +251,49 @@ def strided_attention(
     The queries sit at `query_slots` (B|1, Tq), or else are the last Tq of the Tk slots (a cached decoding step).
     `key_padding` (B, Tk) is True for real keys. A query with no allowed key gets finite weights, not NaN.
     """
+    query_slots = _query_slots(q, k, query_slots)
+    slots, ok = strided_key_slots(query_slots, stride, k.shape[2])
+    return gathered_attention(q, k, v, slots, ok, key_padding, dropout_p)
+
+
+def fixed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block: int,
+    summary: int,
+    query_slots: torch.Tensor | None = None,
+    key_padding: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal softmax attention under the fixed pattern (blocks of `block` keys, the last `summary` of each seen by
+    every later block): as `strided_attention`, with block + summary * ceil(Tk / block) keys gathered per query,
+    O(T * sqrt(T)) scores with block ~ sqrt(T)."""
+    query_slots = _query_slots(q, k, query_slots)
+    slots, ok = fixed_key_slots(query_slots, block, summary, k.shape[2])
+    return gathered_attention(q, k, v, slots, ok, key_padding, dropout_p)
+
+
+def _query_slots(q: torch.Tensor, k: torch.Tensor, query_slots: torch.Tensor | None) -> torch.Tensor:
+    """The queries' slots: as given (B|1, Tq), or else the last Tq of the Tk key slots."""
+    if query_slots is not None:
+        return query_slots
+    n_queries, n_keys = q.shape[2], k.shape[2]
+    return torch.arange(n_keys - n_queries, n_keys, device=q.device)[None]
+
+
+def gathered_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    ok: torch.Tensor,
+    key_padding: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Softmax attention of each query over its own keys: q (B, H, Tq, D), k and v (B, Hkv, Tk, D), the key slots of
+    each query (B|1, Tq, S) and whether each is allowed -> (B, H, Tq, D)."""
     B, H, Tq, D = q.shape
-    n_keys = k.shape[2]
-    if query_slots is None:
-        query_slots = torch.arange(n_keys - Tq, n_keys, device=q.device)[None]
-    slots, ok = strided_key_slots(query_slots, stride, n_keys)  # (B|1, Tq, S)
     slots, ok = slots.expand(B, -1, -1), ok.expand(B, -1, -1)
     if key_padding is not None:
         ok = ok & key_padding.gather(1, slots.flatten(1)).view_as(slots)
@@ -254,14 +319,36 @@ class StridedAttention(Attention):
     def __init__(self, config: ModelConfig, cross: bool = False) -> None:
         super().__init__(config, cross)
         self.stride = config.sparse_stride
+        self.config_name = config.attention
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float
     ) -> tuple[torch.Tensor, None]:
         """The strided pattern over q (B, H, Tq, D) and k, v (B, Hkv, Tk, D); the mask must be causal."""
+        self._check_causal(mask)
+        return strided_attention(q, k, v, self.stride, mask.query_slots, mask.key_padding, dropout_p), None
+
+    def _check_causal(self, mask: AttentionMask) -> None:
         if not mask.is_causal or mask.prefix_lengths is not None:
             raise ConfigError(
-                "attention 'strided' is the Sparse Transformer's causal pattern, so it cannot attend both ways "
-                "(an encoder or a prefix LM); use it in a decoder trained with the plain causal objective"
+                f"attention '{self.config_name}' is the Sparse Transformer's causal pattern, so it cannot attend "
+                "both ways (an encoder or a prefix LM); use it in a decoder trained with the plain causal objective"
             )
-        return strided_attention(q, k, v, self.stride, mask.query_slots, mask.key_padding, dropout_p), None
+
+
+class FixedAttention(StridedAttention):
+    """Causal self-attention under the Sparse Transformer's fixed pattern (blocks of `sparse_stride` keys, the
+    last `sparse_summary` of each block seen by every later one), every head the union of both parts; otherwise
+    as StridedAttention (the softmax model's tensors, the same KV cache)."""
+
+    def __init__(self, config: ModelConfig, cross: bool = False) -> None:
+        super().__init__(config, cross)
+        self.summary = config.sparse_summary
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float
+    ) -> tuple[torch.Tensor, None]:
+        """The fixed pattern over q (B, H, Tq, D) and k, v (B, Hkv, Tk, D); the mask must be causal."""
+        self._check_causal(mask)
+        out = fixed_attention(q, k, v, self.stride, self.summary, mask.query_slots, mask.key_padding, dropout_p)
+        return out, None
