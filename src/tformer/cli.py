@@ -17,6 +17,7 @@ import typing
 from collections.abc import Callable
 
 from tformer.commands.inspect import info, presets, viz
+from tformer.commands.prepare import prepare
 from tformer.commands.qa import qa
 from tformer.commands.serving import bench, convert, embed, generate, serve
 from tformer.commands.training import average, estimate, evaluate, train, translate
@@ -25,6 +26,7 @@ from tformer.threads import apply_thread_policy
 
 COMMANDS: dict[str, Callable[..., None]] = {
     "train": train,
+    "prepare": prepare,
     "eval": evaluate,
     "translate": translate,
     "generate": generate,

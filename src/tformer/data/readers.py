@@ -39,17 +39,23 @@ def iter_lines(path: PathLike) -> Iterator[tuple[int, str]]:
         raise DataError(f"{path}: no such file; check the path (relative paths start at {Path.cwd()})")
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DataError(
-                    f"{path}:{number}: bytes that are not UTF-8 at column {err.start + 1} "
-                    f"({raw[err.start : err.end]!r}); re-encode the file as UTF-8, e.g. "
-                    f"`iconv -f latin1 -t utf-8 {path.name}`"
-                ) from None
-            yield number, line.rstrip("\r\n")
+            yield number, decode_line(raw[3:] if number == 1 and raw.startswith(BOM) else raw, path, number)
+
+
+BOM = b"\xef\xbb\xbf"
+
+
+def decode_line(raw: bytes, path: PathLike, number: int) -> str:
+    """One line's bytes as text without the line ending; bytes that are not UTF-8 raise `DataError`."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"{path}:{number}: bytes that are not UTF-8 at column {err.start + 1} "
+            f"({raw[err.start : err.end]!r}); re-encode the file as UTF-8, e.g. "
+            f"`iconv -f latin1 -t utf-8 {Path(path).name}`"
+        ) from None
+    return line.rstrip("\r\n")
 
 
 def _require_examples(examples: list, path: PathLike, what: str) -> None:
@@ -66,21 +72,23 @@ def read_text(path: PathLike) -> list[str]:
 
 def read_tsv(path: PathLike) -> list[Pair]:
     """Parallel text as ``source<TAB>target`` per line; each non-blank line must hold exactly one tab."""
-    pairs: list[Pair] = []
-    for number, line in iter_lines(path):
-        if not line.strip():
-            continue
-        tabs = line.count("\t")
-        if tabs != 1:
-            raise DataError(
-                f"{path}:{number}: expected exactly one tab between source and target, found {tabs}; "
-                "remove tabs inside the text or use the JSONL format"
-            )
-        src, tgt = (normalize_text(side) for side in line.split("\t"))
-        if src and tgt:
-            pairs.append((src, tgt))
+    pairs = [pair for number, line in iter_lines(path) if (pair := parse_tsv_line(line, path, number))]
     _require_examples(pairs, path, "source/target pairs")
     return pairs
+
+
+def parse_tsv_line(line: str, path: PathLike, number: int) -> Pair | None:
+    """The cleaned (source, target) of one TSV line; None for a blank line or an empty side."""
+    if not line.strip():
+        return None
+    tabs = line.count("\t")
+    if tabs != 1:
+        raise DataError(
+            f"{path}:{number}: expected exactly one tab between source and target, found {tabs}; "
+            "remove tabs inside the text or use the JSONL format"
+        )
+    src, tgt = (normalize_text(side) for side in line.split("\t"))
+    return (src, tgt) if src and tgt else None
 
 
 def read_aligned(src_path: PathLike, tgt_path: PathLike) -> list[Pair]:
@@ -116,21 +124,24 @@ def read_jsonl(path: PathLike, src_key: str = "src", tgt_key: str = "tgt") -> li
     """Parallel text as one JSON object per line, e.g. ``{"src": "Hello", "tgt": "Hallo"}``."""
     pairs: list[Pair] = []
     for number, line in iter_lines(path):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(
-                f"{path}:{number}: malformed JSON ({err.msg} at column {err.colno}); fix the line"
-            ) from None
-        if not isinstance(obj, dict):
-            raise DataError(f"{path}:{number}: expected a JSON object, got {type(obj).__name__}")
-        src, tgt = _json_field(obj, src_key, path, number), _json_field(obj, tgt_key, path, number)
-        if src and tgt:
-            pairs.append((src, tgt))
+        fields = parse_jsonl_line(line, path, number, (src_key, tgt_key))
+        if fields is not None and all(fields):
+            pairs.append((fields[0], fields[1]))
     _require_examples(pairs, path, "source/target pairs")
     return pairs
+
+
+def parse_jsonl_line(line: str, path: PathLike, number: int, keys: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The cleaned text of `keys` in one JSONL line (some may be empty); None for a blank line."""
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{number}: malformed JSON ({err.msg} at column {err.colno}); fix the line") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}:{number}: expected a JSON object, got {type(obj).__name__}")
+    return tuple(_json_field(obj, key, path, number) for key in keys)
 
 
 def read_parallel(

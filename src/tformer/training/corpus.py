@@ -1,9 +1,13 @@
-"""From a TrainConfig's data keys to encoded training examples, a tokenizer and held-out text."""
+"""From a TrainConfig's data keys to encoded training examples, a tokenizer and held-out text: read from the corpus
+and encoded in memory, or read through memory maps from the shards `tformer prepare` wrote (train.prepared)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from tformer.data import (
     DataError,
@@ -19,6 +23,7 @@ from tformer.data import (
 from tformer.data.genre import encode_labelled, labelled_split
 from tformer.data.objectives import OBJECTIVES, Objective
 from tformer.data.packing import pack_sequences, packed_causal_lm
+from tformer.data.shards import PackedBlocks, Pairs, ShardedCorpus, TextDocuments
 from tformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from tformer.training.config import TrainConfig
 from tformer.training.init_from import vocab_of
@@ -32,8 +37,8 @@ class PreparedData:
     """Everything the training loop reads: examples are token ids, held-out sets stay as text for BLEU."""
 
     tokenizer: Tokenizer
-    examples: list  # (src_ids, tgt_ids) pairs, or token id lists for LM objectives
-    lengths: list[int]  # padded length of each example, for the token-budget sampler
+    examples: Sequence  # (src_ids, tgt_ids) pairs, or token id lists for LM objectives (lazy views on shards)
+    lengths: Sequence[int]  # padded length of each example, for the token-budget sampler
     dev: list  # (source, reference) text pairs, or text lines
     test: list
     skipped: int  # training examples longer than max_len
@@ -63,6 +68,8 @@ def prepare_data(config: TrainConfig, run_dir: Path, pretrained: Tokenizer | Non
     """Reads the corpus, trains (or reloads, when resuming) the joint BPE, encodes and filters by max_len.
 
     A `pretrained` tokenizer (fine-tuning) is used as it is and saved into the run instead of a trained BPE."""
+    if config.prepared:
+        return _prepared_data(config, run_dir, pretrained)
     train_text = _read_split(config, "train")
     saved = run_dir / TOKENIZER_FILE
     if saved.is_file():
@@ -73,7 +80,7 @@ def prepare_data(config: TrainConfig, run_dir: Path, pretrained: Tokenizer | Non
     else:
         texts = [t for pair in train_text for t in pair] if config.objective in PARALLEL_OBJECTIVES else train_text
         texts = [text for text, _ in train_text] if config.objective in LABELLED_OBJECTIVES else texts
-        tokenizer = Tokenizer.train(texts, config.vocab_size, num_sentinels=_sentinels(config))
+        tokenizer = Tokenizer.train(texts, config.vocab_size, num_sentinels=sentinels(config))
         tokenizer.save(run_dir)
     if config.objective in PARALLEL_OBJECTIVES:
         encoded = encode_pairs(tokenizer, train_text)
@@ -98,10 +105,68 @@ def prepare_data(config: TrainConfig, run_dir: Path, pretrained: Tokenizer | Non
     return PreparedData(tokenizer, kept, lengths, dev, test, skipped=len(encoded) - len(kept))
 
 
+def _prepared_data(config: TrainConfig, run_dir: Path, pretrained: Tokenizer | None) -> PreparedData:
+    """The examples of `prepare_data`, in the same order, as views on the shards of `tformer prepare`: only the
+    lengths (and, when some are too long, the indices kept) are in memory."""
+    corpus = ShardedCorpus(config.prepared)
+    kind = "pairs" if config.objective in PARALLEL_OBJECTIVES else "text"
+    if config.objective in LABELLED_OBJECTIVES:
+        raise DataError("train.prepared holds unlabelled text; train the classification objective from the corpus")
+    if corpus.kind != kind:
+        raise DataError(
+            f"{config.prepared} holds {corpus.kind} but objective '{config.objective}' trains on {kind}; prepare "
+            "the corpus with this recipe (`tformer prepare RECIPE`)"
+        )
+    saved = run_dir / TOKENIZER_FILE
+    if pretrained is not None and not saved.is_file():
+        pretrained.save(run_dir)
+    if saved.is_file():  # a resumed run, or a fine-tune: the shards must hold ids of the same tokenizer
+        corpus.check_tokenizer(run_dir)
+        tokenizer = Tokenizer.from_file(saved)
+    else:
+        tokenizer = corpus.tokenizer()
+        tokenizer.save(run_dir)
+    if pretrained is None and corpus.manifest["settings"].get("vocab_size") != config.vocab_size:
+        raise DataError(
+            f"{config.prepared} was prepared with vocab_size {corpus.manifest['settings'].get('vocab_size')}, the "
+            f"recipe asks for {config.vocab_size}; run `tformer prepare` with this recipe again"
+        )
+    vocab = vocab_of(tokenizer)
+    if kind == "text" and (corpus.bos_id, corpus.eos_id) != (vocab.bos_id, vocab.eos_id):
+        raise DataError(f"{config.prepared}: the documents are framed by other <s> and </s> ids than the tokenizer's")
+    lengths = corpus.document_lengths()
+    if kind == "pairs":
+        source, target = lengths[0::2], lengths[1::2]
+        fits = np.maximum(source, target) <= config.max_len
+        keep = None if fits.all() else np.flatnonzero(fits)
+        examples: Sequence = Pairs(corpus, keep)
+        lengths = np.maximum(source, target)[fits] + 1  # seq2seq_lengths
+    elif config.pack:
+        examples = PackedBlocks(corpus, config.max_len)
+        lengths = examples.lengths()
+        return _with_held_out(config, tokenizer, examples, lengths, skipped=0)
+    else:
+        text = lengths - 2  # stored with <s> and </s>; the objectives add their own
+        fits = (text > 0) & (text <= config.max_len)
+        keep = None if fits.all() else np.flatnonzero(fits)
+        examples, lengths = TextDocuments(corpus, keep), text[fits] + 2  # lm_lengths
+    if len(examples) == 0:
+        raise DataError(f"{config.prepared}: no training example has at most max_len={config.max_len} tokens")
+    return _with_held_out(config, tokenizer, examples, lengths, skipped=int((~fits).sum()))
+
+
+def _with_held_out(
+    config: TrainConfig, tokenizer: Tokenizer, examples: Sequence, lengths: np.ndarray, skipped: int
+) -> PreparedData:
+    dev, test = _read_split(config, "dev"), _read_split(config, "test")
+    return PreparedData(tokenizer, examples, lengths, dev, test, skipped)
+
+
 def batch_objective(config: TrainConfig) -> Objective:
     """The function that turns the run's examples into a batch: the objective's, or packed clm's (train.pack)."""
     return packed_causal_lm if config.pack else OBJECTIVES[config.objective]
 
 
-def _sentinels(config: TrainConfig) -> int:
+def sentinels(config: TrainConfig) -> int:
+    """How many T5 sentinels the tokenizer reserves for the objective (span corruption needs them)."""
     return 100 if config.objective == "span_corruption" else 0
