@@ -33,6 +33,7 @@ OTHER_FAMILY_OBJECTIVES = {
 PARALLEL_STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp+tp")  # how several processes share the work
 FSDP_SHARDINGS = ("full", "grad-op")  # ZeRO-3 / ZeRO-2
 FSDP_DTYPES = ("float32", "bfloat16")
+LOG_SINKS = ("jsonl", "tensorboard")  # where metrics go (training/sinks.py)
 RESUME_MODES = ("check", "force")  # check: resume only with the recipe the run's checkpoints were trained with
 # what a resumed run may change without train.resume: force: when it stops, evaluates, saves and logs, and how it is
 # spread over processes (the sharded state re-slices to any layout); never what it learns from or how
@@ -44,6 +45,8 @@ RESUME_MAY_CHANGE = frozenset(
         "train.save_every",
         "train.keep_last",
         "train.log_every",
+        "train.log_to",
+        "train.histogram_every",
         "train.beam_size",
         "train.length_penalty",
         "train.out_dir",
@@ -107,6 +110,11 @@ class TrainConfig(ConfigBase):
     save_every: int = 500
     keep_last: int = 3
     log_every: int = 20
+    # metrics.jsonl and/or TensorBoard event files in out_dir/tensorboard/ (training/sinks.py; `pip install
+    # 'tformer[tensorboard]'`); histogram_every: every N steps (a multiple of log_every) TensorBoard also gets each
+    # parameter's and gradient's histogram; 0: never
+    log_to: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])
+    histogram_every: int = 0
     # an out_dir that already holds a run resumes it; with a recipe other than the one in its train.yaml (beyond
     # RESUME_MAY_CHANGE) that is refused, unless resume is 'force' (the run's tokenizer and checkpoints stay)
     resume: str = "check"
@@ -177,8 +185,28 @@ class TrainConfig(ConfigBase):
             raise ConfigError("train.bf16_weights is a bf16 mode: set train.bf16: true too, or remove bf16_weights")
         if self.pack and self.objective != "clm":
             raise ConfigError(f"train.pack packs text for the clm objective, not '{self.objective}'; remove train.pack")
+        self._check_log_to()
         if self.lora is not None:
             self._check_lora()
+
+    def _check_log_to(self) -> None:
+        for name in self.log_to:
+            if name not in LOG_SINKS:
+                raise ConfigError(
+                    f"unknown train.log_to sink {name!r}; choose from: {', '.join(LOG_SINKS)} "
+                    f"(e.g. log_to: [jsonl, tensorboard])"
+                )
+        if not self.log_to or len(set(self.log_to)) != len(self.log_to):
+            raise ConfigError(f"train.log_to must name each sink once, and at least one; got {self.log_to}")
+        if self.histogram_every < 0:
+            raise ConfigError(f"train.histogram_every must be 0 (off) or a number of steps, got {self.histogram_every}")
+        if self.histogram_every and "tensorboard" not in self.log_to:
+            raise ConfigError("train.histogram_every writes TensorBoard histograms; add tensorboard to train.log_to")
+        if self.histogram_every % self.log_every:
+            raise ConfigError(
+                f"train.histogram_every ({self.histogram_every}) must be a multiple of train.log_every "
+                f"({self.log_every}): histograms are written with the logged steps"
+            )
 
     def _check_lora(self) -> None:
         self.lora = LoRAConfig.from_dict(self.lora).to_dict()  # validated, with the defaults written out
