@@ -132,6 +132,16 @@ def cross_attention_map(
     output = translate_ids(model, [encoded], bos, eos, pad, beam_size, alpha, extra_len=EXTRA_LEN)[0]
     limit = min(len(source_ids) + EXTRA_LEN, model.config.max_seq_len)
     output_ids = output + [eos] if len(output) < limit else output  # a search stopped at its limit emitted no </s>
-    weights = replay_cross_attention(model, source_ids, output_ids, bos)
+    return attention_of(model, tokenizer, source_ids, output_ids)
+
+
+def attention_of(
+    model: EncoderDecoder, tokenizer: MapTokenizer, source_ids: Sequence[int], output_ids: Sequence[int]
+) -> CrossAttentionMap:
+    """The map of a translation already made (`output_ids` ending with </s> where the search emitted it), from the
+    source as the encoder read it (`source_ids`, with its </s>)."""
+    weights = replay_cross_attention(model, source_ids, output_ids, tokenizer.bos_id)
     labels = [tokenizer.decode([i], skip_special_tokens=False) for i in (*source_ids, *output_ids)]
-    return CrossAttentionMap(weights, source_ids, output_ids, labels[: len(source_ids)], labels[len(source_ids) :])
+    return CrossAttentionMap(
+        weights, list(source_ids), list(output_ids), labels[: len(source_ids)], labels[len(source_ids) :]
+    )

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from tformer.config import ConfigError
-from tformer.engine.beams import BeamGroup
+from tformer.engine.beams import BeamGroup, SourceBeams
 from tformer.engine.blocks import BlockAllocator
 from tformer.engine.outputs import Completion, OutputProcessor, RequestFailure, RequestOutput, accumulate
 from tformer.engine.paged import KV_CACHE_DTYPES, kv_bytes_per_token, paged_cache_for
@@ -127,6 +127,8 @@ class Engine:
             self.runner, tokenizer, model.config.vocab_size, self.context, self.scheduler, self.outputs.eos_ids
         )
         self.sampler = Sampler(self.outputs.eos_ids, self.speculative)
+        # an encoder-decoder's beam requests: searched in batches by the offline search (beams.py), not as sequences
+        self.source_beams = SourceBeams.of(model)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
@@ -151,16 +153,21 @@ class Engine:
             raise RequestError(f"request id {request_id!r} is already in use")
         seq = self.inputs.new_sequence(request_id, prompt, params)
         request = Request(request_id, params, [seq])
-        if params.beam_width > 1:
-            eos = self.outputs.eos_ids
-            request.beams = BeamGroup(seq, -1 if params.ignore_eos or not eos else min(eos))
+        eos = self.outputs.eos_ids
+        eos_id = -1 if params.ignore_eos or not eos else min(eos)
+        by_source = params.beam_width > 1 and self.source_beams is not None
+        if params.beam_width > 1 and not by_source:
+            request.beams = BeamGroup(seq, eos_id)
             request.samples = []
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has no context to be predicted from
         self.requests[request_id] = request
         try:
             self.outputs.add(request_id, 0, params)
-            self.scheduler.add_request(seq)
+            if by_source:  # the sequence only carries the request's source and settings
+                self.source_beams.add(seq, eos_id)
+            else:
+                self.scheduler.add_request(seq)
         except BaseException:  # nothing of a refused request stays in the books
             self.abort(request_id)
             raise
@@ -171,6 +178,8 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
+        if self.source_beams is not None:
+            self.source_beams.discard(request_id)
         for seq in request.sequences():
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "abort")
@@ -205,7 +214,7 @@ class Engine:
         return RequestOutput(seq.request_id, [], "", True, "error", error=RequestFailure(message, client))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.source_beams is not None and self.source_beams.has_work())
 
     @property
     def num_blocks_in_use(self) -> int:
@@ -218,15 +227,22 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One step, read as vLLM v1's: the scheduler's plan, the runner's forwards, the sampler's tokens, one update
         of the scheduler's books, then the outputs (forks and beams move on, text is detokenized, stop rules
-        end sequences). Returns one output per request that produced a token or finished."""
+        end sequences). Returns one output per request that produced a token or finished. A batch of an
+        encoder-decoder's waiting beam requests is searched first (beams.py)."""
+        outputs = self._search_sources() if self.source_beams is not None and self.source_beams.has_work() else []
         plan = self.scheduler.schedule()
         if not plan.scheduled:
-            return []
+            return outputs
         self._copy_blocks(plan)
         model_output = self._execute(plan)
         sampled = self.sampler.sample(model_output)
         self.scheduler.update_from_output(plan, sampled)
-        return self._process(sampled)
+        return outputs + self._process(sampled)
+
+    def _search_sources(self) -> list[RequestOutput]:
+        """One batch of beam requests through the offline search: each gets its one output, its best hypothesis."""
+        assert self.source_beams is not None
+        return [self.outputs.beam_result(rid, tokens, ended) for rid, tokens, ended in self.source_beams.run()]
 
     def _copy_blocks(self, plan: SchedulerOutput) -> None:
         self.num_preemptions += len(plan.preempted)

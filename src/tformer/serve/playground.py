@@ -22,10 +22,13 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from tformer.decoding.attention_map import CrossAttentionMap
-from tformer.decoding.translator import Translator
-from tformer.engine.async_engine import EngineStopped
+from tformer.data.tokenizer import Tokenizer
+from tformer.decoding.attention_map import EXTRA_LEN, attention_of
+from tformer.decoding.search import translate_ids
+from tformer.engine.async_engine import EngineBusy, EngineStopped, RequestFailed
+from tformer.engine.sampling import SamplingParams
 from tformer.errors import TformerError
+from tformer.models import EncoderDecoder
 from tformer.serve.errors import APIError, install_error_handlers
 from tformer.serve.formats import new_id, usage
 from tformer.serve.middleware import ServerLimits, add_guards
@@ -87,7 +90,9 @@ def describe(server: Server | None, runs: RunsDir | None) -> dict[str, Any]:
 
 
 async def translate(server: Server, body: TranslationRequest) -> dict[str, Any]:
-    """The answer to POST /v1/translations; the search runs on the engine thread, between two engine steps."""
+    """The answer to POST /v1/translations: the translation is an engine request, so that concurrent ones are
+    searched together (an encoder-decoder's beam requests go to the offline beam search in batches, engine/beams.py;
+    beam 1 is the engine's greedy decoding); the attention map is replayed on the engine thread, when asked."""
     server.check_model(body.model)
     model, tokenizer = server.engine.engine.model, server.tokenizer
     if not model.config.is_seq2seq:  # the LSTM encoder-decoder has no engine runner: this is the Transformer
@@ -102,7 +107,8 @@ async def translate(server: Server, body: TranslationRequest) -> dict[str, Any]:
         raise APIError(400, "this model has no tokenizer, so it cannot read text to translate", param="input")
     if not body.input.strip():
         raise APIError(400, "input is empty; give the sentence to translate", param="input")
-    source_len = len(server.encode(body.input, "input")) + 1  # with </s>
+    source_ids = [*server.encode(body.input, "input"), tokenizer.eos_id]  # the source as `tformer translate` reads it
+    source_len = len(source_ids)
     if source_len > model.config.max_seq_len:
         raise APIError(
             400,
@@ -111,29 +117,59 @@ async def translate(server: Server, body: TranslationRequest) -> dict[str, Any]:
             param="input",
             code="context_length_exceeded",
         )
+    limit = min(source_len + EXTRA_LEN, model.config.max_seq_len)  # as `tformer translate` allows (translate_ids)
     started = time.perf_counter()
+    output_ids: list[int] = []
     try:
-        result: CrossAttentionMap = await server.engine.call(
-            lambda: Translator(model, tokenizer).translate_with_attention(body.input, body.beam_size, body.alpha)
-        )
-    except EngineStopped as err:
-        raise APIError(503, str(err)) from None
+        if limit <= server.engine.context.max_new_tokens(source_len):
+            params = SamplingParams(max_tokens=limit, temperature=0.0)  # beam 1: greedy
+            if body.beam_size > 1:
+                params = SamplingParams(max_tokens=limit, beam_width=body.beam_size, length_penalty=body.alpha)
+            async for output in server.engine.generate(source_ids, params):
+                output_ids += output.token_ids
+        else:  # the engine's context rule keeps a position less than the search may use: this source goes alone
+            output_ids = await server.engine.call(lambda: search_alone(model, tokenizer, source_ids, limit, body))
+        weights = None
+        if body.attention:
+            weights = await server.engine.call(lambda: attention_of(model, tokenizer, source_ids, output_ids))
+    except EngineBusy as err:
+        raise APIError(503, str(err), code="server_busy") from None
+    except (EngineStopped, RequestFailed) as err:
+        raise APIError(400 if getattr(err, "client_error", False) else 503, str(err)) from None
     except TformerError as err:  # what the search refuses despite the checks above
         raise APIError(400, str(err), param="input") from None
-    server.metrics.prompt_tokens.inc(len(result.source_ids))
-    server.metrics.generation_tokens.inc(len(result.output_ids))
+    server.metrics.prompt_tokens.inc(source_len)
+    server.metrics.generation_tokens.inc(len(output_ids))
     server.metrics.latency.observe(time.perf_counter() - started, TRANSLATIONS)
+    labels = [tokenizer.decode([i], skip_special_tokens=False) for i in (*source_ids, *output_ids)]
     return {
         "id": new_id("trans"),
         "object": "translation",
         "created": int(time.time()),
         "model": server.model_name,
-        "translation": tokenizer.decode(result.output_ids),
-        "source_tokens": result.source_tokens,
-        "output_tokens": result.output_tokens,
-        "attention": result.weights.tolist() if body.attention else None,  # [layer][head][output][source]
-        "usage": usage(len(result.source_ids), len(result.output_ids)),
+        "translation": tokenizer.decode(output_ids),
+        "source_tokens": labels[:source_len],
+        "output_tokens": labels[source_len:],
+        "attention": None if weights is None else weights.weights.tolist(),  # [layer][head][output][source]
+        "usage": usage(source_len, len(output_ids)),
     }
+
+
+def search_alone(
+    model: EncoderDecoder, tokenizer: Tokenizer, source_ids: list[int], limit: int, body: TranslationRequest
+) -> list[int]:
+    """The translation of one source by the offline search, with </s> where the search emitted it."""
+    ids = translate_ids(
+        model,
+        [source_ids[:-1]],
+        tokenizer.bos_id,
+        tokenizer.eos_id,
+        tokenizer.pad_id,
+        body.beam_size,
+        body.alpha,
+        extra_len=EXTRA_LEN,
+    )[0]
+    return ids + [tokenizer.eos_id] * (len(ids) < limit)
 
 
 def _add_runs_routes(app: FastAPI, runs: RunsDir | None) -> None:

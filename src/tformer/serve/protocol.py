@@ -272,7 +272,7 @@ class TranslationRequest(BaseModel):
     input: str
     beam_size: int = Field(4, ge=1, le=MAX_SAMPLES)  # 1 is greedy search
     alpha: float = Field(0.6, ge=0.0, le=10.0, allow_inf_nan=False)  # GNMT length penalty ((5 + len) / 6) ** alpha
-    attention: bool = True  # False leaves the weights out of the answer (they are still computed)
+    attention: bool = True  # False: no attention map (the decoder is not replayed), only the translation
 
 
 def _is(*allowed: object) -> Callable[[object], bool]:
