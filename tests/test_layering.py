@@ -21,9 +21,9 @@ MODELS = LAYERS | {"models"}
 # weights in and out, data and the kernels stand on the models; the door to checkpoints on interop and data
 INTEROP = MODELS | {"data", "interop"}
 CHECKPOINTS = INTEROP | {"checkpoints"}
-# offline decoding and the engine: no training, no HTTP
-DECODING = CHECKPOINTS | {"decoding"}
-ENGINE = DECODING | {"kernels", "engine"}
+# offline decoding and the engine: the kernels (quantized weights), no training, no HTTP
+DECODING = CHECKPOINTS | {"kernels", "decoding"}
+ENGINE = DECODING | {"engine"}
 
 # part of tformer -> the parts it may import
 ALLOWED: dict[str, set[str]] = {

@@ -14,6 +14,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.decoding.attention_map import CrossAttentionMap, cross_attention_map
 from tformer.decoding.search import translate_ids
 from tformer.errors import ConfigError
+from tformer.kernels.quantize import check_precision, set_precision
 from tformer.models import EncoderDecoder, LSTMEncoderDecoder
 
 
@@ -30,9 +31,19 @@ class Translator:
         self.tokenizer = tokenizer
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Translator:
-        """The translator of a checkpoint directory, or of a training run's best checkpoint (else its latest)."""
-        return cls(*load_translation_model(path))
+    def load(cls, path: str | os.PathLike[str], dtype: str = "auto", quantize: str | None = None) -> Translator:
+        """The translator of a checkpoint directory, or of a training run's best checkpoint (else its latest).
+
+        `dtype` (float32, bfloat16, float16, or auto: float32, bfloat16 when quantized) and `quantize` (int8, w8a8:
+        the CPU's integer dot-product kernels, kernels/quantize.py) set the weights' precision as `tformer serve`
+        does; the float32 default leaves the checkpoint's model as it is. docs/translation.md measures the BLEU
+        and speed of each.
+        """
+        check_precision(dtype, quantize)
+        model, tokenizer = load_translation_model(path)
+        if dtype not in ("auto", "float32") or quantize is not None:
+            set_precision(model, dtype, quantize)
+        return cls(model, tokenizer)
 
     def translate_batch(
         self,
