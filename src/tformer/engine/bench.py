@@ -54,15 +54,17 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     return model_bytes(model) - sum(tables.values())
 
 
-def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes per second of a large tensor copy (each byte read once and written once), the median of `repeats`:
-    the practical memory bandwidth that batch-1 decoding is held against."""
-    source = torch.ones(megabytes << 18)  # float32: 4 bytes each
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Bytes per second of a large tensor copy on `device` (each byte read once and written once), the median of
+    `repeats`: the practical memory bandwidth that batch-1 decoding is held against."""
+    source = torch.ones(megabytes << 18, device=device)  # float32: 4 bytes each
     target = torch.empty_like(source)
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
         target.copy_(source)
+        if source.device.type != "cpu":
+            torch.accelerator.synchronize(source.device)
         seconds.append(time.perf_counter() - start)
     return 2 * source.numel() * source.element_size() / statistics.median(seconds)
 
@@ -109,7 +111,7 @@ def bench_engine(engine: Engine, prompt_tokens: int = 128, new_tokens: int = 32,
         decode_tokens_per_s=(new_tokens - 1) / decode,
         batch_decode_tokens_per_s=batch * (new_tokens - 1) / batch_decode,
         weight_bytes_per_token=weight_bytes_per_token(engine.model),
-        bandwidth_bytes_per_s=copy_bandwidth(),
+        bandwidth_bytes_per_s=copy_bandwidth(device=engine.kv.k[0].device),
     )
 
 

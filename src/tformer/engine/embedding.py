@@ -141,6 +141,7 @@ class Embedder:
     def embed_ids(self, rows: list[list[int]]) -> torch.Tensor:
         """The vectors (N, d) of inputs already checked by `token_ids`."""
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+        device = next(self.model.parameters()).device
         out = torch.empty(len(rows), self.dimensions)
         start = 0
         while start < len(order):
@@ -154,7 +155,8 @@ class Embedder:
             for j, i in enumerate(batch):
                 ids[j, : len(rows[i])] = torch.tensor(rows[i])
                 mask[j, : len(rows[i])] = 1
-            out[batch] = pool(hidden_states(self.model, ids, mask), mask, self.pooling)
+            ids, mask = ids.to(device), mask.to(device)
+            out[batch] = pool(hidden_states(self.model, ids, mask), mask, self.pooling).cpu()
             start = end
         return out
 

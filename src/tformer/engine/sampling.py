@@ -255,7 +255,9 @@ def sample_index(probs: torch.Tensor, generator: torch.Generator | None = None) 
     total = float(cdf[-1])
     if not (math.isfinite(total) and total > 0):
         raise ValueError(f"the sampling probabilities are not a distribution (they sum to {total})")
-    u = torch.rand(1, dtype=torch.float64, generator=generator, device=probs.device) * total
+    # drawn where the request's generator lives (the CPU): a seed gives the same stream on every device
+    where = probs.device if generator is None else generator.device
+    u = torch.rand(1, dtype=torch.float64, generator=generator, device=where).to(probs.device) * total
     index = int(torch.searchsorted(cdf, u, right=True))
     if index >= probs.shape[-1]:  # u rounded up to the total: the last index of positive probability
         index = int(probs.nonzero()[-1])

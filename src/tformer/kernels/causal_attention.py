@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from tformer.kernels import native
+from tformer.kernels import dispatch, native
 
 UNAVAILABLE = "the causal attention kernel is unavailable: prompt chunks attend through torch's SDPA"
 kernel, available, _ = native.op_library("causal_attention", UNAVAILABLE, switch="TFORMER_CAUSAL_ATTENTION")
@@ -55,7 +55,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     (B, Hkv, Tk, D), query heads h * H/Hkv .. read KV head h; (B, H, T, D), or None where the kernel does not apply."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         return None
-    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.stride(-1) != 1 for t in (q, k, v)):
+    if not dispatch.native(q.device) or any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in (q, k, v)):
         return None
     width = lane_width()
     if not width or q.shape[-1] % width or not q.shape[2] <= k.shape[2] <= MAX_KEYS:

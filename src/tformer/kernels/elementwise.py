@@ -20,7 +20,7 @@ import functools
 import torch
 from torch import nn
 
-from tformer.kernels import native
+from tformer.kernels import dispatch, native
 from tformer.layers.attention import Attention
 from tformer.layers.ffn import GatedMLP
 from tformer.layers.norms import RMSNorm
@@ -39,9 +39,11 @@ def _applies(*tensors: torch.Tensor) -> bool:
     """Whether the kernels serve these tensors: bfloat16 on the CPU, no gradient, not traced, the kernel built."""
     if torch.compiler.is_compiling():
         return False
+    if not dispatch.native(tensors[0].device):
+        return False
     grad = torch.is_grad_enabled()
     for t in tensors:
-        if t.dtype != torch.bfloat16 or t.device.type != "cpu" or (grad and t.requires_grad):
+        if t.dtype != torch.bfloat16 or (grad and t.requires_grad):
             return False
     return available()
 

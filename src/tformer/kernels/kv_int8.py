@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tformer.kernels import native
+from tformer.kernels import dispatch, native
 
 INT8_LEVELS = 127  # a key's or value's int8 numbers are round(x / scale), scale = largest |x| / 127
 SCALE_BYTES = 4  # each vector's scale is a float32
@@ -42,7 +42,9 @@ def dequantize_int8(numbers: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
 
 
 def _applies(*tensors: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling() or any(t.device.type != "cpu" or t.requires_grad for t in tensors):
+    if torch.compiler.is_compiling() or not dispatch.native(tensors[0].device):
+        return False
+    if any(t.requires_grad for t in tensors):
         return False
     return available()
 

@@ -15,7 +15,8 @@ query head. It is a small C++ kernel, compiled with the machine's C++ compiler o
 `native.load`), parallel over rows and KV heads with torch's own OpenMP runtime. It registers a torch op through torch's
 stable C ABI, so a compiled decode step calls it like any kernel, for less a call than the Python implementation over
 ctypes it had before (docs/design-notes.md, "kernels/paged_attention.py"). Without a working compiler `kernel()` is None
-and the engine keeps the gather path.
+and the engine keeps the gather path; off an x86 CPU, or with TFORMER_PORTABLE_KERNELS=1 (`dispatch.py`),
+`paged_decode_attention` itself runs `gathered_decode_attention`, the same attention in torch's ops.
 
 `paged_decode_attention_int8` is the same kernel for a cache of int8 keys and values with one float32 scale per
 (slot, KV head), the value being the integer times its scale (like llama.cpp's q8_0 cache type): half the bytes of a
@@ -27,8 +28,9 @@ given the scales.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from tformer.kernels import native
+from tformer.kernels import dispatch, native
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -43,7 +45,7 @@ kernel, available, _ = native.op_library(
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `paged_decode_attention` runs for caches of this dtype on this device."""
-    return device.type == "cpu" and dtype in KERNEL_DTYPES and available()
+    return dispatch.native(device) and dtype in KERNEL_DTYPES and available()
 
 
 _LIBRARY = torch.library.Library("tformer", "FRAGMENT")
@@ -93,8 +95,8 @@ def paged_decode_attention(
     names, args = ["q", "k", "v", "slots", "lengths"], [q, k, v, slots, lengths]
     if k_scale is not None or v_scale is not None:
         names[3:3], args[3:3] = ["k_scale", "v_scale"], [k_scale, v_scale]
-    if not available():
-        raise RuntimeError("paged_decode_attention: the kernel could not be built here (see the log)")
+    if not (dispatch.native(q.device) and available()):  # the kernel checks dtypes and shapes itself
+        return gathered_decode_attention(q, k, v, slots, lengths, k_scale, v_scale)
     try:
         if k_scale is None and v_scale is None:
             return torch.ops.tformer.paged_decode_attention(*args)
@@ -107,3 +109,29 @@ def paged_decode_attention(
             for n, t in zip(names, args, strict=True)
         )
         raise ValueError(f"{err}; got {given}") from None
+
+
+def gathered_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_decode_attention` in torch, for any device (`dispatch`'s portable path): each row's keys and values
+    gathered from its slots into a padded (B, Hkv, max_keys, D) copy, the keys past a row's length masked, then SDPA
+    with the query heads of a KV head reading it (GQA). The same arguments and result."""
+    H = q.shape[1]
+    visible = torch.arange(slots.shape[1], device=q.device)[None, :] < lengths[:, None]  # (B, max_keys)
+    slots = slots.masked_fill(~visible, 0)  # what lies past a row's length is never read: any slot will do
+    keys, values = k[slots], v[slots]  # (B, max_keys, Hkv, D)
+    if k_scale is not None and v_scale is not None:
+        keys = keys.float() * k_scale[slots][..., None]
+        values = values.float() * v_scale[slots][..., None]
+    keys, values = keys.to(q.dtype).transpose(1, 2), values.to(q.dtype).transpose(1, 2)  # (B, Hkv, max_keys, D)
+    groups = H // keys.shape[1]
+    if groups > 1:  # each KV head serves `groups` query heads side by side
+        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None, None, :])
