@@ -115,6 +115,21 @@ class TrainingPrecision:
         self.last_step_skipped = self.scaler.get_scale() < scale
         self.skipped_steps += self.last_step_skipped
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps so that a resumed run scales as an uninterrupted one: under fp16 loss scaling,
+        the scaler's state (the scale and its growth tracker, the clean steps since it last changed) and the
+        steps skipped so far; nothing otherwise."""
+        if self.scaler is None:
+            return {}
+        return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores `state_dict`'s state; an empty one (a run without loss scaling) leaves the initial state."""
+        if self.scaler is None or not state:
+            return
+        self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = state["skipped_steps"]
+
     def metrics(self) -> dict:
         """The loss scale and the steps skipped so far, under fp16 loss scaling; nothing otherwise."""
         if self.scaler is None:

@@ -131,8 +131,10 @@ class Trainer:
         self.aux_loss: float | None = None  # a mixture of experts' load-balancing loss in the last step
         self.spikes = LossSpikes()
         self.saved_step = -1
-        self._resume()
+        resumed = self._resume()
         self.precision = TrainingPrecision(train_config, self.model, self.module, self.dist)
+        if resumed is not None:  # fp16: the loss scale and its growth tracker go on where the run stopped
+            self.precision.load_state_dict(resumed.get("precision", {}))
         keep_freed_memory(self.device)  # CPU: the same large activations every step reuse their pages
         # with a time budget the step count is not the limit: show the budget left instead of a step ETA
         total = None if train_config.time_budget else train_config.max_steps
@@ -146,8 +148,9 @@ class Trainer:
             return paper_adam(self.model, self.model_config.d_model, c.warmup, scale=c.lr, fused=fused)
         return adamw_cosine(self.model, c.lr, c.warmup, c.max_steps, weight_decay=c.weight_decay, fused=fused)
 
-    def _resume(self) -> None:
-        """Continues from the newest checkpoint that is complete and readable, naming the newer ones skipped."""
+    def _resume(self) -> dict | None:
+        """Continues from the newest checkpoint that is complete and readable, naming the newer ones skipped;
+        returns its trainer state (None when there is none)."""
         latest, state, skipped = newest_valid_checkpoint(self.run_dir)
         if skipped and self.dist.is_main:
             print(f"warning: skipped checkpoints that cannot be resumed: {'; '.join(skipped)}", file=sys.stderr)
@@ -157,7 +160,7 @@ class Trainer:
                     f"{self.run_dir} holds no checkpoint that can be resumed ({'; '.join(skipped)}); delete them (or "
                     "the run directory) to train from the start, or set train.out_dir to a new directory"
                 )
-            return
+            return None
         if (latest / SHARDED_DIR).is_dir():
             load_sharded(latest / SHARDED_DIR, self.module, self.optimizer)
         elif self.dist.enabled:
@@ -176,6 +179,7 @@ class Trainer:
             drop_records_after(self.metrics_path, self.step)
             self._repair_best_record()
             print(f"resumed from {latest} (step {self.step})")
+        return state
 
     def _repair_best_record(self) -> None:
         """Records the best checkpoint again from the checkpoints' trainer states when best.json does not name it:
@@ -374,6 +378,7 @@ class Trainer:
             "cursor": self.cursor.to_dict(),
             "best_bleu": self.best_bleu,
             "elapsed": self.elapsed,
+            "precision": self.precision.state_dict(),  # fp16 loss scaling's scale and growth tracker
         }
         if self.config.lora is not None:  # one process, no sharded/: the adapters' optimizer state goes in here
             state["optimizer"] = self.optimizer.state_dict()
