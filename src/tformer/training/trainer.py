@@ -1,6 +1,7 @@
 """The training loop: token-budget batches, label-smoothed loss, accumulation, clipping, bf16 autocast, durable
-checkpoints with bit-exact resume, dev BLEU, JSONL metrics, a progress bar, a clean stop on Ctrl-C or SIGTERM, and an
-error that says where a diverged step went non-finite or what to change when memory runs out (diagnose.py).
+checkpoints with bit-exact resume, dev BLEU, metrics in JSONL and TensorBoard (sinks.py), a progress bar, a clean stop
+on Ctrl-C or SIGTERM, and an error that says where a diverged step went non-finite or what to change when memory runs
+out (diagnose.py).
 
 Resuming: every checkpoint stores the optimizer and scheduler state and the data cursor, and every random
 choice in a step is drawn from generators seeded by (seed, step) (seeds.py), so a run killed at any point and
@@ -14,7 +15,6 @@ files that are not sharded.
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import sys
@@ -73,6 +73,7 @@ from tformer.training.precision import TrainingPrecision
 from tformer.training.progress import Progress
 from tformer.training.seeds import seed_dropout, stream_seed
 from tformer.training.sharded import SHARDED_DIR, load_sharded, save_sharded
+from tformer.training.sinks import MetricsSinks
 from tformer.viz import plot_training_curves
 
 
@@ -89,6 +90,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # one run at a time in a run directory: a second one would delete the first's pending checkpoints
         self.lock = RunLock(self.run_dir) if self.dist.is_main else None
+        self.sinks: MetricsSinks | None = None  # where rank 0 logs (train.log_to), opened once resumed
         try:
             self._set_up(model_config, train_config)
         except BaseException:
@@ -132,6 +134,9 @@ class Trainer:
         self.spikes = LossSpikes()
         self.saved_step = -1
         resumed = self._resume()
+        if self.dist.is_main:  # TensorBoard then hides what a killed run logged after this checkpoint
+            c = train_config
+            self.sinks = MetricsSinks(c.log_to, self.run_dir, self.model, c.histogram_every, self.step)
         self.precision = TrainingPrecision(train_config, self.model, self.module, self.dist)
         if resumed is not None:  # fp16: the loss scale and its growth tracker go on where the run stopped
             self.precision.load_state_dict(resumed.get("precision", {}))
@@ -196,10 +201,14 @@ class Trainer:
         print(f"warning: {problem or 'best.json was missing'}; recorded {best.name} as the best", file=sys.stderr)
 
     def close(self) -> None:
-        """Lets another run train in this run directory (releases its lock); `fit` calls it when it ends."""
+        """Lets another run train in this run directory (releases its lock) and closes the metric sinks; `fit` calls
+        it when it ends."""
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+        if self.sinks is not None:
+            self.sinks.close()
+            self.sinks = None
 
     # ---- one optimizer step ----------------------------------------------------------------------------
     def _batch(self, indices: list[int], micro_step: int) -> Seq2SeqBatch | LMBatch:
@@ -465,7 +474,5 @@ class Trainer:
         return final
 
     def _log(self, record: dict) -> None:
-        if not self.dist.is_main:
-            return
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.sinks is not None:
+            self.sinks.write(record)
