@@ -26,8 +26,12 @@ decoding: tformer's `--dtype` model as the target and its quantized copy as the 
 Part 2 is greedy unless `--temperature T` (and `--top-p P`) samples it on both sides (HF: `do_sample` with its
 temperature and top-p warpers, top_k off; tformer: a seed per request).
 
+`--device cuda` runs both sides on a GPU (tformer's engine then takes torch's own kernels, `kernels/dispatch.py`);
+with `--skip-batch1` only the models part 2 serves are built.
+
     .venv/bin/python benchmarks/engine_vs_hf.py [--rounds 3] [--new-tokens 64] [--requests 32] [--dtype bfloat16]
                                                 [--serve-with float|int8|int4|w8a8] [--compile] [--draft int4]
+                                                [--device cuda]
 """
 
 from __future__ import annotations
@@ -58,14 +62,22 @@ from tformer.checkpoints import load_pretrained  # noqa: E402
 from tformer.data.corpora import bible_text  # noqa: E402
 from tformer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tformer.engine.bench import copy_bandwidth  # noqa: E402
+from tformer.kernels.dispatch import resolve_device  # noqa: E402
 from tformer.kernels.quantize import QUANT_MODES, WEIGHT_DTYPES, model_bytes, set_precision  # noqa: E402
 
 
-def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+def read_bandwidth(megabytes: int = 512, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """Bytes per second of a pure read (torch.sum over a large fp32 tensor): what a kernel that only streams
     its weights could reach, to hold the copy bandwidth (which counts reads and writes) against."""
-    src = torch.ones(megabytes * 2**20 // 4)
-    return src.numel() * 4 / median_seconds(src.sum, repeats)
+    src = torch.ones(megabytes * 2**20 // 4, device=device)
+    return src.numel() * 4 / median_seconds(lambda: synchronized(src.sum()), repeats)
+
+
+def synchronized(result: object = None) -> object:
+    """`result`, once the GPU (if any) has finished its work: timings of GPU calls end here."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return result
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
@@ -88,13 +100,13 @@ class Batch1:
         self.results[name].append((first, time.perf_counter() - start))
 
     def hf_generate(self) -> None:
-        ids = torch.tensor([self.prompt])
+        ids = torch.tensor([self.prompt], device=self.hf.device)
         with torch.inference_mode():
             start = time.perf_counter()
-            self.hf.generate(ids, max_new_tokens=1, do_sample=False)
+            synchronized(self.hf.generate(ids, max_new_tokens=1, do_sample=False))
             first = time.perf_counter() - start
             start = time.perf_counter()
-            self.hf.generate(ids, max_new_tokens=self.n, min_new_tokens=self.n, do_sample=False)
+            synchronized(self.hf.generate(ids, max_new_tokens=self.n, min_new_tokens=self.n, do_sample=False))
             total = time.perf_counter() - start
         self.results["hf"].append((first, total))
 
@@ -153,8 +165,8 @@ def run_hf_static(
     hf_model, requests: list[tuple[list[int], int]], pad_id: int, temperature: float = 0.0, top_p: float = 1.0
 ) -> dict[str, float]:
     width = max(len(p) for p, _ in requests)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in requests])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in requests])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in requests], device=hf_model.device)  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in requests], device=hf_model.device)
     longest = max(m for _, m in requests)
     # sampled: HF's own temperature and top-p warpers, with its default top_k of 50 off, as tformer's
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature else {}
@@ -167,6 +179,7 @@ def run_hf_static(
             min_new_tokens=longest,
             **({"do_sample": False} | sampling),
         )
+        synchronized()
         total = time.perf_counter() - start
     return {"seconds": total, "tok_s": sum(m for _, m in requests) / total, "p50": total, "p99": total}
 
@@ -197,20 +210,26 @@ def main() -> None:
         help="add a batch-1 row: speculative decoding with this quantized copy as the draft",
     )
     parser.add_argument("--speculative-tokens", type=int, default=4, help="draft tokens per step (with --draft)")
+    parser.add_argument("--device", default="cpu", help="both sides' device: cpu (default), cuda, cuda:N")
     args = parser.parse_args()
+    device = resolve_device(args.device)
     threads = set_threads(args.threads)
     import transformers
 
     path = smollm2_path()
     print(machine_info())
+    if device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}")
     print(kernel_paths())
     print(load_report("before"))
     model, tokenizer = load_pretrained(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
     models = {"tformer fp32" if args.dtype == "float32" else "tformer bf16": set_precision(model, args.dtype)}
-    for mode in QUANT_MODES:
+    needed = QUANT_MODES if not args.skip_batch1 else {args.serve_with, args.draft} & set(QUANT_MODES)
+    for mode in needed:
         models[f"tformer {mode}"] = set_precision(load_pretrained(path)[0], "bfloat16", mode)
-    hf = hf.to(WEIGHT_DTYPES[args.dtype])
+    models = {name: m.to(device) for name, m in models.items()}
+    hf = hf.to(device=device, dtype=WEIGHT_DTYPES[args.dtype])
     first = next(iter(models))
     engines = {name: Engine(m, tokenizer, EngineConfig(compile=args.compile)) for name, m in models.items()}
     prompt = chat_ids(tokenizer, "Tell me a short story about a lighthouse keeper.")
@@ -228,7 +247,8 @@ def main() -> None:
             assert plain == speculated, "speculative decoding changed the target's greedy tokens"
     check = engines[first].generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     with torch.inference_mode():
-        hf_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        prompt_ids = torch.tensor([prompt], device=device)
+        hf_ids = hf.generate(prompt_ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     ours, theirs = check[0].token_ids, hf_ids[0, len(prompt) :].tolist()
     print(
         f"greedy tokens: {first} and HF ({args.dtype}) agree on the first {agreeing_prefix(ours, theirs)} of "
@@ -256,7 +276,8 @@ def batch1(engines: dict[str, Engine], hf, prompt: list[int], args, threads: int
     bench = Batch1(engines, hf, prompt, args.new_tokens)
     steps = {name: (lambda n=name: bench.tformer(n)) for name in engines} | {"hf": bench.hf_generate}
     alternating_timing(steps, rounds=args.rounds, warmup=1)
-    bandwidth, reading = copy_bandwidth(512), read_bandwidth()
+    device = next(hf.parameters()).device
+    bandwidth, reading = copy_bandwidth(512, device=device), read_bandwidth(device=device)
     hf_ttft, hf_rate = bench.summary("hf")
     print(
         f"\n1. batch-1 greedy, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, {threads} threads, "
