@@ -94,10 +94,13 @@ def evaluate_checkpoint(
     limit: int = 0,
     patience: float | None = None,
     device: str | torch.device = "cpu",
+    dtype: str = "auto",
+    quantize: str | None = None,
 ) -> TranslationResult:
     """sacreBLEU of a checkpoint on the embedded corpus's `split` or on a parallel file (`patience`: the beam
-    search's early stop, Translator.translate_batch), decoded on `device`."""
-    translator = Translator.load(path)
+    search's early stop, Translator.translate_batch), decoded on `device` with the weights' `dtype` and `quantize`
+    (Translator.load)."""
+    translator = Translator.load(path, dtype, quantize)
     translator.model.to(device)
     pairs = bible_pairs(data.split(":", 1)[1], split) if data.startswith("bible:") else read_parallel(data)
     return evaluate_translation(
