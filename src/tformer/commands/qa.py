@@ -57,7 +57,7 @@ def answer_question(
     return Answer(context[start:end], start, end, span)
 
 
-def qa(*, model: str, question: str, context: str, max_answer_len: int = 15) -> None:
+def qa(*, model: str, question: str, context: str, max_answer_len: int = 15, device: str = "cpu") -> None:
     """Print the answer to a question found in a context, with its score, as one JSON line.
 
     model: a Hugging Face *ForQuestionAnswering directory (BERT, RoBERTa) or a tformer checkpoint with
@@ -65,12 +65,17 @@ def qa(*, model: str, question: str, context: str, max_answer_len: int = 15) -> 
     question: the question
     context: the text that holds the answer
     max_answer_len: the longest answer, in tokens
+    device: where the model runs: cpu, cuda, cuda:N, mps, ... (docs/devices.md)
     """
     from tformer.checkpoints import load_pretrained
+    from tformer.kernels.dispatch import resolve_device
+
+    where = resolve_device(device)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # weights a QA head does not use (a pooler) are dropped
         net, tokenizer = load_pretrained(model)
+    net.to(where)
     if tokenizer is None:
         raise ConfigError(f"{model} has no tokenizer.json; tformer qa needs it to split the question and context")
     found = answer_question(net, tokenizer, question, context, max_answer_len)

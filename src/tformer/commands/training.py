@@ -11,9 +11,12 @@ def train(recipe: str, overrides: list[str], device: str = "cpu") -> None:
 
     recipe: YAML recipe, e.g. configs/en-de-10min.yaml
     overrides: section.key=value pairs that override the recipe, e.g. train.max_steps=100 model.d_model=256
-    device: cpu or cuda
+    device: cpu, cuda or cuda:N (one process a GPU under torchrun; docs/devices.md)
     """
+    from tformer.kernels.dispatch import resolve_device
     from tformer.training import run_recipe
+
+    resolve_device(device)  # a clear error before the corpus and the model load
 
     run_recipe(recipe, overrides, device)
 
@@ -29,6 +32,7 @@ def translate(
     patience: float = 0.0,
     batch_size: int = 32,
     batch_tokens: int = 0,
+    device: str = "cpu",
 ) -> None:
     """Translate sentences given as arguments, or a file (or stdin) one sentence a line, with a trained checkpoint.
 
@@ -42,15 +46,20 @@ def translate(
       patience (1 is its default; 0 searches until no live beam can beat the best, tformer's exact search)
     batch_size: most sentences a batch holds (batches are cut from the sentences sorted by length)
     batch_tokens: most padded source tokens a batch holds (0: no limit but batch_size)
+    device: where the model runs: cpu, cuda, cuda:N, mps, ... (docs/devices.md)
     """
     from tformer.decoding.translator import Translator
     from tformer.errors import RequestError
+    from tformer.kernels.dispatch import resolve_device
+
+    where = resolve_device(device)
 
     if sentences and input:
         raise RequestError("give sentences as arguments or --input FILE, not both")
     if patience < 0:
         raise RequestError(f"--patience is {patience}; give 0 (exact search) or a factor above 0, e.g. 1")
     translator = Translator.load(model)
+    translator.model.to(where)
     if sentences:
         lines = list(sentences)
     elif input:
@@ -99,6 +108,7 @@ def evaluate(
     patience: float = 0.0,
     limit: int = 0,
     block_size: int = 0,
+    device: str = "cpu",
 ) -> None:
     """Score a checkpoint on a held-out split or a file: a translation model with sacreBLEU, a decoder LM with
     perplexity, an MLM encoder with masked-token accuracy and MLM loss.
@@ -111,16 +121,20 @@ def evaluate(
       patience; 0: exact search)
     limit: score only the first N sentences (0: all)
     block_size: decoder LMs: score the lines packed into blocks of this many tokens (0: each line on its own)
+    device: where the model runs: cpu, cuda, cuda:N, mps, ... (docs/devices.md)
     """
+    from tformer.kernels.dispatch import resolve_device
     from tformer.training import evaluate_checkpoint
     from tformer.training.lm_eval import evaluate_lm_checkpoint, is_language_model
 
+    where = resolve_device(device)
+
     if is_language_model(model):
-        score = evaluate_lm_checkpoint(model, data, split, limit, block_size)
+        score = evaluate_lm_checkpoint(model, data, split, limit, block_size, where)
         print(f"{split + ' ' if data.startswith('bible:') else ''}{score.summary()}")
         return
 
-    result = evaluate_checkpoint(model, data, split, beam_size, alpha, limit, patience=patience or None)
+    result = evaluate_checkpoint(model, data, split, beam_size, alpha, limit, patience=patience or None, device=where)
     for sample in result.samples(3):
         print(f"src: {sample['source']}\nhyp: {sample['hypothesis']}\nref: {sample['reference']}\n")
     name = f"{split} " if data.startswith("bible:") else ""
