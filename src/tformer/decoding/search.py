@@ -90,6 +90,9 @@ def beam_search(
     memory = model.encode(src, src_mask)
     if isinstance(model, EncoderDecoder):
         cache = model.new_cache(B * K, max(limits) + 1, memory=memory, src_mask=src_mask)
+        for layer_cache in cache:  # (B, Hkv, S, D) views of the projection's (B, S, Hkv * D): made whole once, or
+            cross = layer_cache.cross_attn  # every step's attention matmul would copy them
+            cross.k, cross.v = cross.k.contiguous(), cross.v.contiguous()
         memory = src_mask = None
     else:  # a model whose decoder state holds the memory per row (the LSTM baseline): each beam gets a copy
         memory, src_mask = memory.repeat_interleave(K, 0), src_mask.repeat_interleave(K, 0)  # (B*K, S, d)

@@ -111,9 +111,10 @@ class KVCache:
         length = self.k.shape[2] if length is None else min(length, self.k.shape[2])  # a rolling buffer: its window
         moved = (index != torch.arange(len(index), device=index.device)).nonzero()[:, 0]
         if len(moved):
-            source = index[moved]  # gathered before the write, so a row may be read and overwritten in one step
-            self.k[moved, :, :length] = self.k[source, :, :length]
-            self.v[moved, :, :length] = self.v[source, :, :length]
+            source = index[moved]
+            for cache in (self.k, self.v):  # gathered before the write, so a row may be read and overwritten at once
+                written = cache[:, :, :length]  # index_select / index_copy_ copy whole rows, faster than indexing
+                written.index_copy_(0, moved, written.index_select(0, source))
         self.k, self.v = self.k[: len(index)], self.v[: len(index)]
 
 
