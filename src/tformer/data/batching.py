@@ -17,6 +17,7 @@ checkpoint resumes the exact same stream.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Protocol
@@ -87,42 +88,63 @@ class TokenBatchSampler:
     def _generator(self, epoch: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, epoch])
 
-    def _cut(self, order: np.ndarray) -> list[list[int]]:
-        """Greedy cut of `order` (sorted by length) into batches whose padded size fits the budget."""
-        batches: list[list[int]] = []
-        batch: list[int] = []
-        longest = 0
-        for i in order.tolist():
-            length = int(self.lengths[i])
-            full = self.max_sentences is not None and len(batch) >= self.max_sentences
-            if batch and (full or (len(batch) + 1) * max(longest, length) > self.max_tokens):
-                batches.append(batch)
-                batch, longest = [], 0
-            batch.append(i)
-            longest = max(longest, length)
-        batches.append(batch)
-        return batches
+    def _cut(self, order: np.ndarray) -> np.ndarray:
+        """Greedy cut of `order` (sorted by length) into batches whose padded size fits the budget: the bounds
+        (batch b is ``order[bounds[b]:bounds[b + 1]]``).
 
-    def global_batches(self, epoch: int) -> list[list[int]]:
-        """All ranks' batches of `epoch`, in the order they are dealt out."""
+        Sorted by length, a batch's longest example is its last, so a batch from s may end at e when
+        ``(e - s) * lengths[e - 1]`` fits; that grows with e, so the end is a bisection (one step where the
+        lengths are equal). A loop over batches rather than examples: a corpus of millions of examples is cut in
+        a fraction of a second, and its batches are never lists of Python ints all at once.
+        """
+        lengths = self.lengths[order]
+        n, cap = len(lengths), self.max_sentences or len(lengths)
+        bounds, start = [0], 0
+        while start < n:
+            first = int(lengths[start])
+            end = min(n, start + min(cap, max(self.max_tokens // first, 1)))
+            if int(lengths[end - 1]) != first:  # longer examples inside: the last end that still fits
+
+                def padded(e: int, start: int = start) -> int:
+                    return (e - start) * int(lengths[e - 1])
+
+                end = start + bisect.bisect_right(range(start + 1, end + 1), self.max_tokens, key=padded)
+            bounds.append(end)
+            start = end
+        return np.asarray(bounds, dtype=np.int64)
+
+    def _plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(order of the examples, batch bounds in it, order of the batches) of `epoch`, for all ranks."""
         if not self.shuffle:
-            return self._cut(np.argsort(self.lengths, kind="stable"))
+            order = np.argsort(self.lengths, kind="stable")
+            bounds = self._cut(order)
+            return order, bounds, np.arange(len(bounds) - 1)
         rng = self._generator(epoch)
         permuted = rng.permutation(len(self.lengths))
         order = permuted[np.argsort(self.lengths[permuted], kind="stable")]  # ties in random order
-        batches = self._cut(order)
-        return [batches[j] for j in rng.permutation(len(batches)).tolist()]
+        bounds = self._cut(order)
+        return order, bounds, rng.permutation(len(bounds) - 1)
+
+    def _mine(self, n_batches: int) -> range:
+        """Positions in the dealt-out batch order that this rank takes."""
+        if self.drop_last:
+            n_batches -= n_batches % self.world_size
+        return range(self.rank, n_batches, self.world_size)
+
+    def global_batches(self, epoch: int) -> list[list[int]]:
+        """All ranks' batches of `epoch`, in the order they are dealt out."""
+        order, bounds, batch_order = self._plan(epoch)
+        return [order[bounds[b] : bounds[b + 1]].tolist() for b in batch_order.tolist()]
 
     def batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of `epoch`."""
-        batches = self.global_batches(epoch)
-        if self.drop_last:
-            batches = batches[: len(batches) - len(batches) % self.world_size]
-        return batches[self.rank :: self.world_size]
+        order, bounds, batch_order = self._plan(epoch)
+        mine = batch_order[self._mine(len(batch_order))]
+        return [order[bounds[b] : bounds[b + 1]].tolist() for b in mine.tolist()]
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (the same every epoch: the sorted lengths, and so the cuts, are)."""
-        return len(self.batches(0))
+        return len(self._mine(len(self._cut(np.argsort(self.lengths, kind="stable"))) - 1))
 
     def iterate(self, cursor: Cursor = Cursor()) -> Iterator[tuple[list[int], Cursor]]:
         """Endless stream of (batch, cursor after it) from `cursor` on, epoch after epoch.
@@ -131,9 +153,11 @@ class TokenBatchSampler:
         """
         epoch, index = cursor.epoch, cursor.index
         while True:
-            batches = self.batches(epoch)
-            for j in range(index, len(batches)):
-                yield batches[j], Cursor(epoch, j + 1)
+            order, bounds, batch_order = self._plan(epoch)
+            mine = batch_order[self._mine(len(batch_order))]
+            for j in range(index, len(mine)):
+                b = int(mine[j])
+                yield order[bounds[b] : bounds[b + 1]].tolist(), Cursor(epoch, j + 1)
             epoch, index = epoch + 1, 0
 
 

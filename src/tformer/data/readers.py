@@ -112,7 +112,7 @@ def _json_field(obj: dict, key: str, path: PathLike, number: int) -> str:
     if key not in obj:
         raise DataError(
             f"{path}:{number}: object has no key {key!r} (keys: {sorted(obj)}); "
-            "pass src_key=/tgt_key= naming the fields that hold the text"
+            "name the fields that hold the text (src_key=/tgt_key=, or tformer prepare --keys)"
         )
     value = obj[key]
     if not isinstance(value, str):

@@ -145,9 +145,21 @@ class CorpusFile:
                     handle.readline()  # the rest of a line cut in the middle
                 block = handle.read(min(piece, n_bytes))
                 block += handle.readline()
-                chunk = Chunk(block, 0, 0, 0)  # no line numbers here: the full pass names a bad line exactly
-                texts += [t for example in parse_chunk(self, chunk) for t in _sides(example)]
+                texts += [t for example in self._parse_leniently(block) for t in _sides(example)]
         return texts
+
+    def _parse_leniently(self, block: bytes) -> list:
+        """The sample's lines, bad ones skipped: the full pass names them with their line numbers."""
+        try:
+            return parse_chunk(self, Chunk(block, 0, 0, 0))
+        except DataError:
+            good = []
+            for line in block.splitlines():
+                try:
+                    good += parse_chunk(self, Chunk(line, 0, 0, 0))
+                except DataError:
+                    continue
+            return good
 
 
 def _sides(example: str | tuple[str, str]) -> tuple[str, ...]:
