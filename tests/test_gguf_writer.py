@@ -65,6 +65,7 @@ def test_f16_reads_back_in_tformer_and_transformers(tmp_path, model_and_tokenize
     torch.testing.assert_close(logits(theirs, IDS), reference, atol=1e-4, rtol=0)
     # the tokenizer: every token at its id, its special ids and the byte-level model llama.cpp calls gpt2
     reader = open_gguf(file)
+    assert reader.get("tokenizer.ggml.pre") == "gpt-2"  # llama.cpp's name for GPT-2's split; it refuses "gpt2"
     back = tokenizer_from_gguf(file, reader)
     assert back.backend.get_vocab() | {} == {t: i for t, i in tokenizer.backend.get_vocab().items()} | {
         f"[PAD{i}]": i for i in range(tokenizer.backend.get_vocab_size(), 320)

@@ -31,7 +31,8 @@ QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # tokenizer.ggml.pre -> expressions applied one after the other (llama.cpp's lists for these names)
 PRE_TOKENIZER_SPLITS: dict[str, list[str]] = {
     "default": [GPT2_SPLIT],
-    "gpt2": [GPT2_SPLIT],
+    "gpt-2": [GPT2_SPLIT],  # llama.cpp's name for GPT-2's split
+    "gpt2": [GPT2_SPLIT],  # what tformer's writer wrote before, which llama.cpp does not know
     "smollm": [r"\p{N}", GPT2_SPLIT],  # every digit on its own, then GPT-2's split
     "starcoder": [r"\p{N}", GPT2_SPLIT],
     "refact": [r"\p{N}", GPT2_SPLIT],

@@ -41,6 +41,10 @@ TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
 }
+# tokenizer.ggml.pre names llama.cpp's loader accepts, by the split each stands for (PRE_TOKENIZER_SPLITS); its
+# name for GPT-2's split is "gpt-2" ("default" is another split, and "gpt2" it refuses)
+GPT2_PRE = "gpt-2"
+WRITTEN_PRE_TOKENIZERS = (GPT2_PRE, "smollm", "llama-bpe", "qwen2")
 SUPPORTED = (
     "LLaMA-style decoders (family decoder, rope, rmsnorm, swiglu, no biases; GQA; tied or untied head; "
     "Mixtral-style experts)"
@@ -95,25 +99,24 @@ def _rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
 
 
 def _pre_tokenizer(spec: dict[str, Any] | None) -> str:
-    """llama.cpp's name (tokenizer.ggml.pre) for the word split of a byte-level tokenizer.json."""
-    if spec is None:
-        return "default"
-    if spec.get("type") == "ByteLevel" and spec.get("use_regex", True):
-        return "gpt2"
+    """llama.cpp's name (tokenizer.ggml.pre) for the word split of a byte-level tokenizer.json: one of the
+    names its vocabulary loader accepts (it refuses to load a file with any other)."""
+    if spec is None or (spec.get("type") == "ByteLevel" and spec.get("use_regex", True)):
+        return GPT2_PRE
     patterns = [
         s.get("pattern", {}).get("Regex")
         for s in spec.get("pretokenizers", [])
         if s.get("type") == "Split" and s.get("pattern", {}).get("Regex")
     ]
-    for name, splits in PRE_TOKENIZER_SPLITS.items():
-        if patterns == splits:
+    for name in WRITTEN_PRE_TOKENIZERS:
+        if patterns == PRE_TOKENIZER_SPLITS[name]:
             return name
     warnings.warn(
-        "the tokenizer's word split is none llama.cpp names; writing tokenizer.ggml.pre 'default' (GPT-2's split), "
-        "so llama.cpp may split some text differently",
+        f"the tokenizer's word split is none llama.cpp names; writing tokenizer.ggml.pre '{GPT2_PRE}' (GPT-2's "
+        "split), so llama.cpp may split some text differently",
         stacklevel=3,
     )
-    return "default"
+    return GPT2_PRE
 
 
 def _tokenizer_keys(writer: gguf.GGUFWriter, tokenizer: Tokenizer, vocab_size: int) -> None:
