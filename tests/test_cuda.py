@@ -129,6 +129,14 @@ def test_seeded_sampling_draws_the_cpu_stream_on_the_gpu() -> None:
     assert sum(a == b for a, b in zip(on_cpu, on_gpu, strict=True)) >= len(prompts) - 1
 
 
+def test_engine_beam_search_on_the_gpu_equals_the_cpu() -> None:
+    model = make_model(tiny_config("tiny-llama"))
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size, (5, 9))
+    params = SamplingParams(max_tokens=8, beam_width=3, length_penalty=0.6)
+    on_cpu = [r.token_ids for r in Engine(model).generate(prompts, params)]
+    assert [r.token_ids for r in Engine(model.to(CUDA)).generate(prompts, params)] == on_cpu
+
+
 def test_translation_on_the_gpu_equals_the_cpu() -> None:
     from tformer.decoding.search import translate_ids
 

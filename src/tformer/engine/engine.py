@@ -354,7 +354,7 @@ class Engine:
         """
         group = request.beams
         assert group is not None
-        if not group.record(seq, logits):
+        if not group.record(seq, logits.cpu()):  # a beam group keeps its books on the CPU, whatever the device
             return []
         old = group.live
         new = group.advance(self.allocator)  # forks the new beams before the old ones release their blocks
