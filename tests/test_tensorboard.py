@@ -99,6 +99,29 @@ def test_a_resumed_run_logs_each_step_once(tmp_path: Path) -> None:
     assert_every_number_at_its_step(resumed.run_dir)
 
 
+def test_sharded_parameters_get_no_histogram_and_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """FSDP and tensor parallelism leave DTensor shards on each rank; gathering them for a histogram is not cheap."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        model.weight = torch.nn.Parameter(
+            distribute_tensor(model.weight.detach(), init_device_mesh("cpu", (1,)), [Shard(0)])
+        )
+        model.bias.grad = torch.ones(4)
+        sinks = MetricsSinks(["tensorboard"], tmp_path, model, histogram_every=1)
+        sinks.write({"step": 1, "loss": 1.0})
+        sinks.write({"step": 2, "loss": 0.5})
+        sinks.close()
+    finally:
+        dist.destroy_process_group()
+    assert sorted(read_events(tmp_path).Tags()["histograms"]) == ["gradients/bias", "weights/bias"]
+    assert capsys.readouterr().err.count("their histograms are not written") == 1  # once, not every step
+
+
 def test_without_the_tensorboard_package_the_error_says_how_to_install_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
