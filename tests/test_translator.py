@@ -178,3 +178,45 @@ def test_length_batches_cut_sorted_lengths_by_count_and_padded_tokens() -> None:
         assert batches == plain(batch_size, batch_tokens)
         assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
     assert length_batches(lengths, 32, 10) == [[1, 6, 3], [4, 0], [2], [5]]
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_beam_attention_reads_each_beams_keys_through_its_table(dtype: torch.dtype, atol: float) -> None:
+    """The kernel against the plain formula on keys gathered one by one: row r's key at position t is that of cache
+    row table[r, t]; query heads 2h and 2h+1 read KV head h."""
+    from tformer.kernels.beam_attention import beam_attention, gathered_attention
+
+    generator = torch.Generator().manual_seed(0)
+    R, H, Hkv, L, D, T = 6, 4, 2, 12, 32, 5
+    q, k, v = (torch.randn(*shape, generator=generator).to(dtype) for shape in [(R, H, 1, D), *[(8, Hkv, L, D)] * 2])
+    table = torch.randint(0, 8, (R, T), generator=generator)
+    expected = torch.empty(R, H, 1, D)
+    for r in range(R):
+        for h in range(H):
+            keys = torch.stack([k[table[r, t], h // 2, t] for t in range(T)]).double()
+            values = torch.stack([v[table[r, t], h // 2, t] for t in range(T)]).double()
+            weights = torch.softmax(keys @ q[r, h, 0].double() / D**0.5, dim=0)
+            expected[r, h, 0] = (weights @ values).float()
+    for got in (beam_attention(q, k, v, table), gathered_attention(q, k, v, table)):
+        assert got is not None and got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("variant", ["paper", "gqa", "rope"])
+def test_beams_that_share_keys_through_a_table_give_the_copying_caches_hypotheses(variant: str, monkeypatch) -> None:
+    """The search on BeamKVCache (keys never copied, read through the table) and on KVCache (each moved row copied):
+    the same hypotheses, and the table is what the search used."""
+    from tformer.decoding import beam_cache
+
+    model = sharp_model(variant, vocab_size=12, seed=2)
+    src, src_mask = padded_sources(LENGTHS, 12, seed=5)
+    limits = [n + 4 for n in LENGTHS]
+    reorders = []
+    reorder = beam_cache.BeamKVCache.reorder
+    monkeypatch.setattr(beam_cache.BeamKVCache, "reorder", lambda self, *a: reorders.append(1) or reorder(self, *a))
+    shared = beam_search(model, src, src_mask, limits, BOS, EOS, 4, alpha=0.6)
+    assert len(reorders) >= max(limits) * model.config.n_decoder_layers // 2
+    monkeypatch.setattr(beam_cache, "applies", lambda device, dtype: False)  # the search keeps KVCache
+    reorders.clear()
+    assert beam_search(model, src, src_mask, limits, BOS, EOS, 4, alpha=0.6) == shared
+    assert not reorders

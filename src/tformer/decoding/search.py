@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tformer.decoding.beam_cache import BeamKVCache
 from tformer.errors import RequestError
 from tformer.layers.kv_cache import LayerCache
 from tformer.models import DecoderLM, EncoderDecoder, RecurrentCache
@@ -90,9 +91,13 @@ def beam_search(
     memory = model.encode(src, src_mask)
     if isinstance(model, EncoderDecoder):
         cache = model.new_cache(B * K, max(limits) + 1, memory=memory, src_mask=src_mask)
+        shares_keys = not any(model.decoder.windows) and not model.decoder.positions.has_attention_bias
         for layer_cache in cache:  # (B, Hkv, S, D) views of the projection's (B, S, Hkv * D): made whole once, or
             cross = layer_cache.cross_attn  # every step's attention matmul would copy them
             cross.k, cross.v = cross.k.contiguous(), cross.v.contiguous()
+            beam_cache = BeamKVCache.replacing(layer_cache.self_attn)
+            if shares_keys and beam_cache.attends_in_place:  # beams share their keys through a table: no copies
+                layer_cache.self_attn = beam_cache
         memory = src_mask = None
     else:  # a model whose decoder state holds the memory per row (the LSTM baseline): each beam gets a copy
         memory, src_mask = memory.repeat_interleave(K, 0), src_mask.repeat_interleave(K, 0)  # (B*K, S, d)
