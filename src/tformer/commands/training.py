@@ -6,18 +6,19 @@ import sys
 from pathlib import Path
 
 
-def train(recipe: str, overrides: list[str], device: str = "cpu") -> None:
+def train(recipe: str, overrides: list[str], device: str | None = None) -> None:
     """Train a model from a recipe (a YAML file with `model:` and `train:` sections); resumes if interrupted.
 
     recipe: YAML recipe, e.g. configs/en-de-10min.yaml
     overrides: section.key=value pairs that override the recipe, e.g. train.max_steps=100 model.d_model=256
-    device: cpu, cuda or cuda:N (one process a GPU under torchrun; docs/devices.md)
+    device: cpu, cuda or cuda:N (one process a GPU under torchrun; docs/devices.md) (default: the recipe's
+      train.device, else cpu)
     """
     from tformer.kernels.dispatch import resolve_device
     from tformer.training import run_recipe
 
-    resolve_device(device)  # a clear error before the corpus and the model load
-
+    if device is not None:
+        resolve_device(device)  # a clear error before the recipe is read
     run_recipe(recipe, overrides, device)
 
 

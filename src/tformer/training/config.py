@@ -55,6 +55,7 @@ RESUME_MAY_CHANGE = frozenset(
         "train.fsdp_sharding",
         "train.tp_size",
         "train.dist_timeout",
+        "train.device",
         "model.activation_checkpointing",
     }
 )
@@ -92,6 +93,7 @@ class TrainConfig(ConfigBase):
     precision: str = "fp32"
     fp16_loss_scaling: bool = True  # fp16: scale the loss (false shows its small gradients underflow to zero)
     fp16_initial_scale: float = 65536.0  # fp16: the first loss scale; it halves on overflow, doubles after 2000 steps
+    device: str = "cpu"  # cpu, cuda or cuda:N (under torchrun rank r takes cuda:r); `tformer train --device` wins
     max_steps: int = 100_000
     time_budget: float = 0.0  # seconds of training before stopping cleanly; 0 means no limit
     seed: int = 1

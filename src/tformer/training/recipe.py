@@ -11,6 +11,7 @@ import yaml
 from tformer.config import ConfigError, ModelConfig, read_config_file
 from tformer.data import bible_pairs, read_parallel
 from tformer.decoding.translator import Translator
+from tformer.kernels.dispatch import resolve_device
 from tformer.training.config import TrainConfig, check_objective
 from tformer.training.distributed import shutdown
 from tformer.training.evaluate import TranslationResult, evaluate_translation
@@ -57,9 +58,12 @@ def _lora_section(section: dict, source: str) -> dict:
         raise ConfigError(f"{source}: {err}") from None
 
 
-def run_recipe(path: str | Path, overrides: list[str] = (), device: str = "cpu") -> dict:
-    """Trains as the recipe says, then prints dev BLEU and sample translations."""
+def run_recipe(path: str | Path, overrides: list[str] = (), device: str | None = None) -> dict:
+    """Trains as the recipe says, then prints dev BLEU and sample translations. `device` (default: the recipe's
+    train.device) is checked before the corpus or the model loads."""
     model_config, train_config = load_recipe(path, overrides)
+    device = str(resolve_device(device or train_config.device))
+    train_config.device = device  # the run's saved recipe says where it trained
     try:
         trainer = Trainer(model_config, train_config, device)
         result = trainer.fit()
