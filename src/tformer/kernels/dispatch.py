@@ -9,7 +9,7 @@ does (a GPU, an ARM CPU, Apple's MPS):
 | causal attention of prompt chunks | torch's SDPA (flash attention on a GPU) |
 | paged decode attention | keys and values gathered from the pool (`paged_attention.gathered_decode_attention`) |
 | INT4 linears | the weight dequantized, then one matmul in the activations' dtype |
-| INT8 / W8A8 linears | the int8 formula in torch (`w8a8.w8a8_formula`: an integer matmul where torch has one) |
+| INT8 / W8A8 linears | the same integer formula in torch (`w8a8.w8a8_formula`, the integers multiplied in fp32) |
 | FP8 linears | already torch (`fp8.fp8_matmul`) |
 | RMSNorm, rotary, SwiGLU's product | the layers' own formulas |
 | the int8 KV cache's writes and reads | the rounding formula (`kv_int8.quantize_int8`) |
