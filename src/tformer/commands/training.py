@@ -33,6 +33,8 @@ def translate(
     patience: float = 0.0,
     batch_size: int = 32,
     batch_tokens: int = 0,
+    dtype: str = "auto",
+    quantize: str | None = None,
     device: str = "cpu",
 ) -> None:
     """Translate sentences given as arguments, or a file (or stdin) one sentence a line, with a trained checkpoint.
@@ -47,6 +49,9 @@ def translate(
       patience (1 is its default; 0 searches until no live beam can beat the best, tformer's exact search)
     batch_size: most sentences a batch holds (batches are cut from the sentences sorted by length)
     batch_tokens: most padded source tokens a batch holds (0: no limit but batch_size)
+    dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
+    quantize: int8 (integer weights, activations rounded in two int8 steps) or w8a8 (one step) for the linear
+      layers, on the CPU's integer dot products (default: none; docs/translation.md has their BLEU and speed)
     device: where the model runs: cpu, cuda, cuda:N, mps, ... (docs/devices.md)
     """
     from tformer.decoding.translator import Translator
@@ -59,7 +64,7 @@ def translate(
         raise RequestError("give sentences as arguments or --input FILE, not both")
     if patience < 0:
         raise RequestError(f"--patience is {patience}; give 0 (exact search) or a factor above 0, e.g. 1")
-    translator = Translator.load(model)
+    translator = Translator.load(model, dtype, quantize)
     translator.model.to(where)
     if sentences:
         lines = list(sentences)
@@ -109,6 +114,8 @@ def evaluate(
     patience: float = 0.0,
     limit: int = 0,
     block_size: int = 0,
+    dtype: str = "auto",
+    quantize: str | None = None,
     device: str = "cpu",
 ) -> None:
     """Score a checkpoint on a held-out split or a file: a translation model with sacreBLEU, a decoder LM with
@@ -122,6 +129,8 @@ def evaluate(
       patience; 0: exact search)
     limit: score only the first N sentences (0: all)
     block_size: decoder LMs: score the lines packed into blocks of this many tokens (0: each line on its own)
+    dtype: translation: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized)
+    quantize: translation: int8 or w8a8 linear layers (default: none)
     device: where the model runs: cpu, cuda, cuda:N, mps, ... (docs/devices.md)
     """
     from tformer.kernels.dispatch import resolve_device
@@ -135,7 +144,18 @@ def evaluate(
         print(f"{split + ' ' if data.startswith('bible:') else ''}{score.summary()}")
         return
 
-    result = evaluate_checkpoint(model, data, split, beam_size, alpha, limit, patience=patience or None, device=where)
+    result = evaluate_checkpoint(
+        model,
+        data,
+        split,
+        beam_size,
+        alpha,
+        limit,
+        patience=patience or None,
+        device=where,
+        dtype=dtype,
+        quantize=quantize,
+    )
     for sample in result.samples(3):
         print(f"src: {sample['source']}\nhyp: {sample['hypothesis']}\nref: {sample['reference']}\n")
     name = f"{split} " if data.startswith("bible:") else ""
