@@ -4,7 +4,9 @@ The run's best checkpoint (default runs/en-de-10min, `make main`) is converted w
 ctranslate2` (interop/ctranslate2.py), so both systems hold the same weights. The dev split's 618 verses (or the
 test split's 1,794 with --split test) are translated with beam 4 and length-penalty exponent 0.6, batches of 32,
 by each side in each of its modes:
-- tformer fp32, and tformer with bf16 weights (a copy of the model in bfloat16);
+- tformer fp32 (beams sharing their keys through a table), the same with the copying KV cache of before, with
+  patience 1, through the engine (`Engine` beam requests, the server's path), and with bf16 / int8 / w8a8 weights
+  (`Translator.load(run, dtype, quantize)`); --modes picks some;
 - CTranslate2 float32 with its own length penalty (score / length ** 0.6), CTranslate2 float32 with its n-best
   (num_hypotheses 4, length_penalty 0: summed log-probabilities) re-ranked with tformer's ((5 + |y|) / 6) ** 0.6,
   and CTranslate2 int8 (compute_type int8 on the same converted model).
@@ -25,7 +27,6 @@ report gives each setting's slowdown.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import subprocess
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="times each mode translates the split (default 3)")
     p.add_argument("--threads", type=int, default=None, help="threads per system (default: every CPU)")
     p.add_argument("--output", type=Path, default=None, help="also write the report to this file")
+    p.add_argument(
+        "--modes", default="", help="comma-separated parts of mode names to run (default: all), e.g. 'fp32,int8'"
+    )
     p.add_argument("--contention", action="store_true", help="measure the slowdown beside a busy process instead")
     p.add_argument("--contention-sentences", type=int, default=20, help="dev verses per contention run (default 20)")
     p.add_argument("--contention-repeats", type=int, default=3, help="timed passes per worker (default 3)")
@@ -70,7 +74,7 @@ class Report:
 
 
 # ---- the two systems ----------------------------------------------------------------------------------------------
-def tformer_decoder(model, tokenizer):
+def tformer_decoder(model, tokenizer, patience: float | None = None):
     from tformer.decoding.search import translate_ids
 
     def run(sentences: list[str]) -> list[list[int]]:
@@ -84,7 +88,45 @@ def tformer_decoder(model, tokenizer):
             beam_size=BEAM,
             alpha=ALPHA,
             batch_size=BATCH,
+            patience=patience,
         )
+
+    return run
+
+
+def copying_decoder(model, tokenizer):
+    """tformer fp32 as it was before the beams shared their keys through a table: KVCache, moved rows copied."""
+    from tformer.decoding import beam_cache
+
+    run_shared = tformer_decoder(model, tokenizer)
+
+    def run(sentences: list[str]) -> list[list[int]]:
+        applies = beam_cache.applies
+        beam_cache.applies = lambda device, dtype: False
+        try:
+            return run_shared(sentences)
+        finally:
+            beam_cache.applies = applies
+
+    return run
+
+
+def engine_decoder(model, tokenizer):
+    """The server's path: each sentence an `Engine` request with beam_width 4 (an encoder-decoder's beam requests
+    are searched in batches by the offline search, engine/beams.py), as many tokens as translate_ids allows."""
+    from tformer.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(model, tokenizer, EngineConfig(max_seqs=BATCH))
+    limit = model.config.max_seq_len
+
+    def run(sentences: list[str]) -> list[list[int]]:
+        prompts = [[*ids, tokenizer.eos_id] for ids in tokenizer.encode_batch(sentences)]
+        params = [
+            SamplingParams(max_tokens=min(len(p) + 50, limit - 1), beam_width=BEAM, length_penalty=ALPHA)
+            for p in prompts
+        ]
+        results = engine.generate(prompts, params)
+        return [r.token_ids[: len(r.token_ids) - (r.finish_reason == "stop")] for r in results]
 
     return run
 
@@ -116,7 +158,6 @@ def ctranslate2_decoder(translator, tokenizer, max_len: int, rerank: bool):
 def compare(args: argparse.Namespace, out: Report) -> None:
     import ctranslate2
     import sacrebleu
-    import torch
     from common import load_report, machine_info, median, set_threads
 
     from tformer.data.corpora import bible_pairs
@@ -143,14 +184,29 @@ def compare(args: argparse.Namespace, out: Report) -> None:
         )
         for compute in ("float32", "int8")
     }
-    bf16 = copy.deepcopy(model).to(torch.bfloat16).eval()
     max_len = model.config.max_seq_len
+    builders = {
+        "tformer fp32": lambda: tformer_decoder(model, tokenizer),
+        "tformer fp32, copying KV cache (before)": lambda: copying_decoder(model, tokenizer),
+        "tformer fp32, patience 1": lambda: tformer_decoder(model, tokenizer, patience=1.0),
+        "tformer fp32, Engine beams (server path)": lambda: engine_decoder(model, tokenizer),
+        "tformer bf16 weights": lambda: tformer_decoder(Translator.load(args.run, "bfloat16").model, tokenizer),
+        "tformer int8 weights, bf16": lambda: tformer_decoder(
+            Translator.load(args.run, "auto", "int8").model, tokenizer
+        ),
+        "tformer w8a8, bf16": lambda: tformer_decoder(Translator.load(args.run, "auto", "w8a8").model, tokenizer),
+        "tformer w8a8, fp32": lambda: tformer_decoder(Translator.load(args.run, "float32", "w8a8").model, tokenizer),
+        "CTranslate2 float32": lambda: ctranslate2_decoder(ct2["float32"], tokenizer, max_len, rerank=False),
+        "CTranslate2 float32, re-ranked": lambda: ctranslate2_decoder(ct2["float32"], tokenizer, max_len, rerank=True),
+        "CTranslate2 int8": lambda: ctranslate2_decoder(ct2["int8"], tokenizer, max_len, rerank=False),
+    }
+    wanted = [part.strip() for part in args.modes.split(",") if part.strip()]
+    # the references of the ratios, and the search before the shared keys
+    always = ("tformer fp32", "tformer fp32, copying KV cache (before)", "CTranslate2 float32", "CTranslate2 int8")
     modes = {
-        "tformer fp32": tformer_decoder(model, tokenizer),
-        "tformer bf16 weights": tformer_decoder(bf16, tokenizer),
-        "CTranslate2 float32": ctranslate2_decoder(ct2["float32"], tokenizer, max_len, rerank=False),
-        "CTranslate2 float32, re-ranked": ctranslate2_decoder(ct2["float32"], tokenizer, max_len, rerank=True),
-        "CTranslate2 int8": ctranslate2_decoder(ct2["int8"], tokenizer, max_len, rerank=False),
+        name: build()
+        for name, build in builders.items()
+        if name in always or not wanted or any(part in name for part in wanted)
     }
     out(
         f"{len(sentences)} {args.split} sentences, beam {BEAM}, alpha {ALPHA}, batches of {BATCH}, {threads} threads "
@@ -172,6 +228,7 @@ def compare(args: argparse.Namespace, out: Report) -> None:
             outputs.setdefault(name, ids)
         out(f"round {r + 1}: " + ", ".join(f"{n} {walls[n][-1]:.2f} s" for n in names) + f"; {load_report('now')}")
     reference = outputs["tformer fp32"]
+    tformer_rates = {}
     out()
     out("| system | wall s | target tok/s | CPU s | CPU s / sentence | BLEU | identical to tformer fp32 |")
     out("|---|---:|---:|---:|---:|---:|---:|")
@@ -180,6 +237,8 @@ def compare(args: argparse.Namespace, out: Report) -> None:
         tokens = sum(map(len, outputs[name]))
         wall = median(walls[name])
         rates[name] = tokens / wall
+        if name.startswith("tformer"):
+            tformer_rates[name] = rates[name]
         bleu = sacrebleu.corpus_bleu(tokenizer.decode_batch(outputs[name]), [references]).score
         same = sum(a == b for a, b in zip(outputs[name], reference, strict=True))
         out(
@@ -187,11 +246,15 @@ def compare(args: argparse.Namespace, out: Report) -> None:
             f"{median(cpus[name]) / len(sentences) * 1000:.1f} ms | {bleu:.2f} | {same} / {len(sentences)} |"
         )
     out()
+    best = max(tformer_rates, key=tformer_rates.get)
     out(
         f"ratios (target tok/s): tformer fp32 / CTranslate2 float32 = "
-        f"{rates['tformer fp32'] / rates['CTranslate2 float32']:.2f}x; tformer best / CTranslate2 int8 = "
-        f"{max(rates['tformer fp32'], rates['tformer bf16 weights']) / rates['CTranslate2 int8']:.2f}x"
+        f"{rates['tformer fp32'] / rates['CTranslate2 float32']:.2f}x; tformer best ({best}) / CTranslate2 int8 = "
+        f"{rates[best] / rates['CTranslate2 int8']:.2f}x"
     )
+    for name in tformer_rates:
+        if name != "tformer fp32":
+            out(f"  {name} / tformer fp32 = {rates[name] / rates['tformer fp32']:.2f}x")
     out(load_report("after"))
 
 
