@@ -7,14 +7,34 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from tformer.checkpoints import load_pretrained
 from tformer.data.tokenizer import Tokenizer
 from tformer.engine import Engine, EngineConfig, SamplingParams
 from tformer.engine.embedding import EmbeddingEngine, Pooling
 from tformer.errors import ConfigError
-from tformer.interop.gguf import from_gguf, is_gguf, open_gguf, q4_1_linears, stored_precision
+from tformer.interop.gguf import (
+    STORED_PRECISION,
+    StoredLinear,
+    from_gguf,
+    is_gguf,
+    open_gguf,
+    stored_linears,
+    stored_precision,
+)
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
-from tformer.kernels.quantize import WEIGHT_DTYPES, Int4Linear, check_precision, resolve_dtype, set_precision
+from tformer.kernels.dispatch import resolve_device
+from tformer.kernels.int4 import BLOCK as INT4_BLOCK
+from tformer.kernels.int4 import TILE as INT4_TILE
+from tformer.kernels.quantize import (
+    WEIGHT_DTYPES,
+    Int4Linear,
+    Int8Linear,
+    check_precision,
+    resolve_dtype,
+    set_precision,
+)
 from tformer.models import TransformerModel
 from tformer.models.families import EncoderMLM
 
@@ -27,14 +47,19 @@ def load_engine(
     draft_path: str | os.PathLike[str] | None = None,
     draft_quantize: str | None = None,
     embeddings_only: bool = False,
+    device: str | torch.device = "cpu",
 ) -> Engine | EmbeddingEngine:
     """An engine for the model at `path` (a .gguf file, a tformer checkpoint, a Hugging Face or a run directory)
     in `dtype`, optionally with its linear layers quantized ('int8', 'int4' or 'w8a8'; see `set_precision`), and
     with a draft model for speculative decoding when `draft_path` names one (it may be the same file, quantized).
     An encoder, which generates nothing, is served for embeddings alone (an `EmbeddingEngine`, with a
     sentence-transformers directory's own pooling) where `embeddings_only` allows it, and is a ConfigError elsewhere.
-    `quantize` 'auto' serves a GGUF file as stored (`stored_precision`: a 4- or 5-bit file in INT4, a 6- or 8-bit
-    one in INT8) and anything else in floats; 'none' is floats."""
+    `quantize` 'auto' serves a GGUF file as stored (each layer in the kernel its type maps to, `load_quantized`;
+    the rest as `stored_precision` says of the file) and anything else in floats; 'none' is floats. The model
+    runs on `device` (cpu, cuda, ...; `dispatch.resolve_device` checks it before the load): the engine, its KV
+    pool and its kernels follow it."""
+    device = resolve_device(device)
+    as_stored, draft_as_stored = quantize == "auto", draft_quantize == "auto"
     quantize, draft_quantize = stored_quantization(path, quantize), stored_quantization(draft_path, draft_quantize)
     check_precision(dtype, quantize)  # before the (slow) loads
     check_precision(dtype, draft_quantize)
@@ -43,8 +68,8 @@ def load_engine(
             "a draft quantization needs a draft model (--draft-model); name the served model itself "
             "to draft with a quantized copy of it"
         )
-    model, tokenizer = load_quantized(path, quantize, dtype)
-    set_precision(model, dtype, quantize)
+    model, tokenizer = load_quantized(path, quantize, dtype, as_stored)
+    set_precision(model, dtype, quantize).to(device)
     if isinstance(model, EncoderMLM):
         if not embeddings_only or draft_path is not None:
             raise ConfigError(
@@ -54,8 +79,8 @@ def load_engine(
         return EmbeddingEngine(model, tokenizer, Pooling.default_for(model, path))
     draft = None
     if draft_path is not None:
-        draft, _ = load_quantized(draft_path, draft_quantize, dtype)
-        set_precision(draft, dtype, draft_quantize)
+        draft, _ = load_quantized(draft_path, draft_quantize, dtype, draft_as_stored)
+        set_precision(draft, dtype, draft_quantize).to(device)
     return Engine(model, tokenizer, engine_config, draft=draft)
 
 
@@ -70,25 +95,41 @@ def stored_quantization(path: str | os.PathLike[str] | None, quantize: str | Non
 
 
 def load_quantized(
-    path: str | os.PathLike[str], quantize: str | None, dtype: str = "auto"
+    path: str | os.PathLike[str], quantize: str | None, dtype: str = "auto", as_stored: bool = False
 ) -> tuple[TransformerModel, Tokenizer | None]:
     """The model for `set_precision(model, dtype, quantize)` to finish, loaded with no copy it would throw away.
 
-    Unquantized weights load in the serving dtype itself. Quantization reads float32 weights (rounding them
-    once), except INT4 from a GGUF file: its Q4_1 blocks become `Int4Linear`s as they are, with no float copy
-    and no second rounding. Layers whose output size the INT4 kernel cannot take (a multiple of 16) load as
-    floats and quantize later."""
+    Unquantized weights load in the serving dtype itself. INT4 and INT8 from a GGUF file are built from each
+    layer's blocks (`stored_layer`), with no float copy of the model; with `as_stored` (`--quantize auto`) each
+    layer takes the kernel its own type maps to (`STORED_PRECISION`: a Q4_K_M file's Q6_K layers INT8, its Q4_K
+    ones INT4), else every layer takes `quantize`. Other quantizations read float32 weights (rounding them once)."""
     if quantize is None:
         return load_pretrained(path, WEIGHT_DTYPES[resolve_dtype(dtype, quantize)])
-    if quantize != "int4" or not is_gguf(path):
+    if quantize not in ("int4", "int8") or not is_gguf(path):
         return load_pretrained(path)
     reader = open_gguf(path)
-    groups = {name: parts for name, parts in q4_1_linears(reader).items() if parts[0].shape[0] % 16 == 0}
-    model = from_gguf(path, reader, leave_out=groups.keys())
-    for name, (q, scales, minimums) in groups.items():
+    stored = stored_linears(reader)
+    model = from_gguf(path, reader, leave_out=stored.keys())
+    for name, weight in stored.items():
         parent, _, child = name.removesuffix(".weight").rpartition(".")
-        setattr(model.get_submodule(parent), child, Int4Linear.from_groups(q, scales, minimums))
+        module = model.get_submodule(parent)
+        kind = STORED_PRECISION.get(weight.kind, quantize) if as_stored else quantize
+        setattr(module, child, stored_layer(weight, kind, getattr(module, child).bias))
     return model, tokenizer_from_gguf(path, reader)
+
+
+def stored_layer(weight: StoredLinear, kind: str, bias: torch.Tensor | None = None) -> Int4Linear | Int8Linear:
+    """An 'int4' or 'int8' layer from a GGUF weight's blocks. INT4 takes Q4_0, Q4_1 and Q4_K groups as they are
+    (their fp16 scale and minimum per 32 weights; Q4_K's d * scale is rounded to fp16 on the way) and
+    requantizes other types' dequantized rows in groups of 32. INT8 requantizes the rows to one scale per row,
+    as the float path would. A weight INT4's kernel cannot take (out features not a multiple of 16) is INT8."""
+    out_f, in_f = weight.shape
+    if kind == "int4" and out_f % INT4_TILE == 0 and in_f % INT4_BLOCK == 0:
+        groups = weight.int4_groups()
+        if groups is not None:
+            return Int4Linear.from_groups(*groups, bias=bias)
+        return Int4Linear.from_chunks(weight.chunks(), bias=bias)
+    return Int8Linear.from_chunks(weight.chunks(), bias=bias)
 
 
 def warm_up(engine: Engine) -> None:

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Collection
-from dataclasses import replace
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.interop.gguf_arch import (
@@ -35,8 +35,8 @@ from tformer.interop.gguf_arch import (
     llama3_rope,
     unpermute_rope_rows,
 )
-from tformer.interop.gguf_file import GGUF_MAGIC, GGUFFile, Malformed, TensorInfo, Truncated, q4_1_groups
-from tformer.interop.gguf_quants import DEQUANTIZERS
+from tformer.interop.gguf_file import GGUF_MAGIC, GGUFFile, Malformed, TensorInfo, Truncated
+from tformer.interop.gguf_quants import DEQUANTIZERS, INT4_GROUPS
 from tformer.interop.hf import FAMILIES as HF_FAMILIES
 from tformer.interop.hf import expected_shapes, hf_fields, read_state
 from tformer.interop.hf_files import listed
@@ -366,7 +366,8 @@ def from_gguf(
     """A tformer model (in `dtype`, on the CPU, in eval mode) with the weights of a GGUF file.
 
     The model is built without initializing its weights; each is dequantized straight into place. Parameters
-    named in `leave_out` stay on the meta device, for a caller that replaces their modules (`q4_1_linears`).
+    named in `leave_out` stay on the meta device, for a caller that replaces their modules (quantized layers
+    built from `stored_linears`).
     """
     reader = reader or open_gguf(path)
     arch, hf_config = hf_config_from_gguf(reader, path)
@@ -410,17 +411,64 @@ def linear_sources(reader: GGUFFile) -> dict[str, tuple[TensorInfo, Transform | 
     return sources
 
 
-def q4_1_linears(reader: GGUFFile) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """tformer parameter name -> (q, scales, minimums) of each layer's linear weight the file stores as Q4_1,
-    with llama.cpp's q/k row permutation undone: what an INT4 layer takes without a round trip through float.
-    The output head is left out: INT4 serving gives it 8 bits (`tformer.kernels.quantize.quantize`)."""
-    groups = {}
+@dataclass(frozen=True)
+class StoredLinear:
+    """One layer's weight (out, in) as the file stores it: its ggml type and its blocks, one row of blocks per
+    output row, in tformer's row order. A quantized layer is built from this, never from a float copy of the
+    whole weight: Q4_0, Q4_1 and Q4_K blocks are INT4 groups as they are (`int4_groups`), other types are
+    dequantized a few rows at a time (`chunks`) and requantized."""
+
+    name: str  # the GGUF tensor's, for messages
+    kind: GGMLQuantizationType
+    rows: torch.Tensor  # (out, bytes a row) uint8
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        block, block_bytes = GGML_QUANT_SIZES[self.kind]
+        out_f, in_f = self.shape
+        if in_f % block or tuple(self.rows.shape) != (out_f, in_f // block * block_bytes):
+            raise GGUFError(
+                f"{self.name}: a {self.kind.name} weight of shape {list(self.shape)} needs rows of whole "
+                f"{block}-value blocks, {block_bytes} bytes each, so ({out_f}, {in_f // block * block_bytes}) "
+                f"bytes; got {list(self.rows.shape)} (in features {in_f})"
+            )
+
+    def int4_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """q (out, in) uint8 in [0, 15] with the scales and minimums (out, in / 32) of w = q * scale + minimum,
+        straight from the blocks where they are such groups of 32 (Q4_0, Q4_1, Q4_K), else None."""
+        split = INT4_GROUPS.get(self.kind)
+        if split is None:
+            return None
+        out_f, in_f = self.shape
+        q, scales, minimums = split(self.rows.reshape(-1, GGML_QUANT_SIZES[self.kind][1]))
+        return q.reshape(out_f, in_f), scales.reshape(out_f, -1), minimums.reshape(out_f, -1)
+
+    def floats(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows start..stop of the weight as float32, bit for bit as `gguf.quants` dequantizes them."""
+        rows = self.rows[start:stop]
+        blocks = rows.reshape(-1, GGML_QUANT_SIZES[self.kind][1])
+        return DEQUANTIZERS[self.kind](blocks).reshape(rows.shape[0], self.shape[1])
+
+    def chunks(self, values: int = 1 << 20) -> Iterator[torch.Tensor]:
+        """The float32 weight in chunks of whole rows, a multiple of 16 rows and about `values` values each."""
+        step = max(16, values // self.shape[1] // 16 * 16)
+        for start in range(0, self.shape[0], step):
+            yield self.floats(start, start + step)
+
+
+def stored_linears(reader: GGUFFile) -> dict[str, StoredLinear]:
+    """tformer parameter name -> the blocks of each layer's linear weight (`linear_sources`), with llama.cpp's
+    q/k row permutation undone on whole rows of blocks (a copy of the quantized bytes, only for those)."""
+    stored = {}
     for name, (tensor, transform) in linear_sources(reader).items():
-        if tensor.tensor_type != Q.Q4_1:
-            continue
-        parts = q4_1_groups(reader.raw(tensor), tensor.torch_shape)
-        groups[name] = parts if transform is None else tuple(transform(part) for part in parts)
-    return groups
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            dequantize_tensor(reader, tensor)  # the GGUFError naming the type and what is supported
+        out_f, in_f = tensor.torch_shape
+        rows = reader.raw(tensor).view(out_f, -1)
+        stored[name] = StoredLinear(
+            tensor.name, tensor.tensor_type, rows if transform is None else transform(rows), (out_f, in_f)
+        )
+    return stored
 
 
 def stored_precision(reader: GGUFFile) -> str | None:

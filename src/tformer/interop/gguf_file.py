@@ -25,7 +25,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from tformer.interop.gguf_quants import DEQUANTIZERS, f16_field, nibbles
+from tformer.interop.gguf_quants import DEQUANTIZERS
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -206,12 +206,3 @@ class GGUFFile:
         else:
             values = torch.from_numpy(gguf_dequantize(raw.numpy(), kind).astype(np.float32, copy=False))
         return values.reshape(tensor.torch_shape)
-
-
-def q4_1_groups(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_1 bytes as they are: q (rows, cols) uint8 in [0, 15], and each block's scale d and minimum m as float32
-    (rows, cols / 32), with w = d * q + m."""
-    blocks = raw.view(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q4_1][1])
-    rows, cols = shape
-    q = nibbles(blocks[:, 4:]).reshape(rows, cols)
-    return q, f16_field(blocks, 0).reshape(rows, -1), f16_field(blocks, 2).reshape(rows, -1)

@@ -14,6 +14,9 @@ elements 0-15, high nibbles 16-31). Super-blocks of 256 values (the K-quants):
 - Q4_K (144 bytes): f16 d, dmin, 12 bytes packing 8 6-bit scales and 8 6-bit minimums, 128 bytes of nibbles;
 - Q5_K (176 bytes): Q4_K's, with 32 bytes of 5th bits before the nibbles;
 - Q6_K (210 bytes): 128 bytes of low nibbles, 64 bytes of high 2 bits, 16 int8 scales, f16 d.
+
+Q4_0, Q4_1 and Q4_K blocks are also taken apart without any float arithmetic on the weights (`INT4_GROUPS`):
+w = q * scale + minimum with q in [0, 15] per group of 32, the form of tformer's INT4 layers.
 """
 
 from __future__ import annotations
@@ -158,4 +161,32 @@ DEQUANTIZERS: dict[Q, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q4_K: q4_k,
     Q.Q5_K: q5_k,
     Q.Q6_K: q6_k,
+}
+
+
+# INT4 groups: (n_blocks, block_bytes) uint8 -> q (n_blocks, block_values) uint8 in [0, 15], and the scale and
+# minimum of each group of 32 values as float32 (n_blocks, block_values / 32), with w = q * scale + minimum, the
+# very products `gguf.quants` computes (Q4_0's d (q - 8) is d q + (-8 d), exact in float32).
+
+
+def q4_0_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = f16_field(blocks, 0)
+    return nibbles(blocks[:, 2:]), d, d * -8
+
+
+def q4_1_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return nibbles(blocks[:, 4:]), f16_field(blocks, 0), f16_field(blocks, 2)
+
+
+def q4_k_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = blocks.shape[0]
+    d, dm = _k_factors(blocks)
+    q = _shifted(blocks[:, 16:], [0, 4], 32, 0x0F).reshape(n, QK_K)
+    return q, d.reshape(n, 8), dm.reshape(n, 8).neg_()
+
+
+INT4_GROUPS: dict[Q, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+    Q.Q4_0: q4_0_groups,
+    Q.Q4_1: q4_1_groups,
+    Q.Q4_K: q4_k_groups,
 }

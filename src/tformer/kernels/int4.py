@@ -23,11 +23,14 @@ portable loop; without a C++ compiler, or off the CPU, the layer multiplies by i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tformer.kernels import native
+from tformer.config import ConfigError
+from tformer.kernels import dispatch, native
 from tformer.kernels.fusion import concat_bias
 
 TILE, BLOCK, CHUNK = 16, 32, 320  # output rows and input columns a chunk holds, and its bytes
@@ -100,17 +103,8 @@ class Int4Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group_size: int = 32) -> None:
         super().__init__()
-        out_f, in_f = linear.weight.shape
-        if in_f % group_size or group_size % BLOCK or out_f % TILE:
-            raise ValueError(
-                f"int4 needs in_features divisible by group_size (a multiple of {BLOCK}) and out_features by "
-                f"{TILE}; got a {out_f}x{in_f} weight with group_size {group_size}"
-            )
-        groups = linear.weight.detach().float().cpu().view(out_f, in_f // group_size, group_size)
-        low, high = groups.amin(-1), groups.amax(-1)
-        scales = ((high - low) / 15).clamp(min=1e-6)
-        q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
-        self._hold(pack(q.view(out_f, in_f), *_per_block(scales, low, group_size)), linear.bias, group_size)
+        _check_shape(*linear.weight.shape, group_size)
+        self._hold(_pack_floats(linear.weight.detach().float().cpu(), group_size), linear.bias, group_size)
         self.to(linear.weight.device)
 
     @classmethod
@@ -120,10 +114,37 @@ class Int4Linear(nn.Module):
         """A layer from weights already quantized to w = q * scale + minimum, q in [0, 15], in groups along the
         input dimension: q (out, in), scales and minimums (out, in / group_size). llama.cpp's Q4_1 blocks are
         exactly this with groups of 32, so a Q4_1 GGUF file becomes INT4 without a round trip through float."""
-        group_size = q.shape[1] // scales.shape[1]
+        out_f, in_f = q.shape
+        group_size = in_f // max(scales.shape[1], 1)
+        if scales.shape != minimums.shape or scales.shape[0] != out_f or group_size * scales.shape[1] != in_f:
+            raise ConfigError(
+                f"int4 groups do not fit: q is {list(q.shape)}, scales {list(scales.shape)} and minimums "
+                f"{list(minimums.shape)}; both need (out, in / group_size)"
+            )
+        _check_shape(out_f, in_f, group_size)
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._hold(pack(q, *_per_block(scales.float(), minimums.float(), group_size)), bias, group_size)
+        return layer
+
+    @classmethod
+    def from_chunks(
+        cls, chunks: Iterable[torch.Tensor], group_size: int = 32, bias: torch.Tensor | None = None
+    ) -> Int4Linear:
+        """A layer quantized from a float weight handed over as chunks of whole rows, each a multiple of 16 rows,
+        so that no float copy of the whole weight need exist (a GGUF file's 5-bit blocks, dequantized a few rows
+        at a time). Each chunk is quantized and packed exactly as the constructor does a whole weight."""
+        packed = []
+        for chunk in chunks:
+            _check_shape(chunk.shape[0], chunk.shape[1], group_size)
+            packed.append(_pack_floats(chunk.float(), group_size))
+        if not packed:
+            raise ConfigError("Int4Linear.from_chunks got no rows; pass the weight's rows in chunks of 16 or more")
+        if len({p.shape[1] for p in packed}) != 1:
+            raise ConfigError("Int4Linear.from_chunks got chunks of different widths; every row has in_features")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._hold(torch.cat(packed), bias, group_size)
         return layer
 
     def _hold(self, packed: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> None:
@@ -146,12 +167,36 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu" and flat.dtype in KERNEL_DTYPES and available():
+        if dispatch.native(flat.device) and flat.dtype in KERNEL_DTYPES and available():
             out = torch.ops.tformer.int4_matmul(flat, self.packed, self.out_features)
         else:
             out = F.linear(flat, self.dequantized().to(device=flat.device, dtype=flat.dtype))
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+
+def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (N, K) uint8 in [0, 15], scales and minimums (N, K / group_size) of a float weight (N, K): each group's
+    range from its smallest to its largest value in 15 equal steps."""
+    out_f, in_f = weight.shape
+    groups = weight.view(out_f, in_f // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = ((high - low) / 15).clamp(min=1e-6)
+    q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
+    return q.view(out_f, in_f).to(torch.uint8), scales, low
+
+
+def _pack_floats(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    q, scales, minimums = quantize_groups(weight, group_size)
+    return pack(q, *_per_block(scales, minimums, group_size))
+
+
+def _check_shape(out_f: int, in_f: int, group_size: int) -> None:
+    if in_f % group_size or group_size % BLOCK or out_f % TILE or not out_f or not in_f:
+        raise ConfigError(
+            f"int4 needs in_features divisible by group_size (a multiple of {BLOCK}) and out_features by "
+            f"{TILE}; got a {out_f}x{in_f} weight with group_size {group_size}"
+        )
 
 
 def _per_block(scales: torch.Tensor, minimums: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

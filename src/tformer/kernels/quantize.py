@@ -14,15 +14,17 @@ integer work of INT8's two steps, and activations held to 1/127 of their largest
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
 from tformer.config import ConfigError
 from tformer.kernels.elementwise import use_fused_elementwise
 from tformer.kernels.fp8 import Fp8Linear
-from tformer.kernels.fusion import fuse_projections
+from tformer.kernels.fusion import concat_bias, fuse_projections
 from tformer.kernels.int4 import Int4Linear
-from tformer.kernels.w8a8 import W8A8Linear
+from tformer.kernels.w8a8 import W8A8Linear, quantize_rows
 
 QUANT_MODES = ("int8", "int4", "w8a8", "fp8")
 
@@ -33,6 +35,32 @@ class Int8Linear(W8A8Linear):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear, fine=True)
+
+    @classmethod
+    def from_chunks(cls, chunks: Iterable[torch.Tensor], bias: torch.Tensor | None = None) -> Int8Linear:
+        """A layer quantized from a float weight handed over as chunks of whole rows, so that no float copy of the
+        whole weight need exist (a GGUF file's blocks, dequantized a few rows at a time); the scales are per row,
+        so the numbers are those of the constructor on the whole weight."""
+        parts = [quantize_rows(chunk.float()) for chunk in chunks]
+        if not parts or len({q.shape[1] for q, _ in parts}) != 1:
+            raise ConfigError("Int8Linear.from_chunks needs one or more chunks of rows, all in_features wide")
+        return cls._held(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), bias)
+
+    @classmethod
+    def concatenated(cls, parts: list[Int8Linear]) -> Int8Linear:
+        """One layer with the output rows of `parts` in order (fusion's q/k/v and gate/up): each row keeps its
+        int8 weights and scale, so it computes what it did in its own layer."""
+        q = torch.cat([part.quantized_weight() for part in parts])
+        scales = torch.cat([part.scales[: part.out_features] for part in parts])
+        return cls._held(q, scales, concat_bias(parts))
+
+    @classmethod
+    def _held(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.fine = True
+        layer._hold(q, scales.float(), bias)
+        return layer
 
 
 def _check_mode(mode: str) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tformer.kernels import native
+from tformer.kernels import dispatch, native
 
 TILE = 16  # output rows a 64-byte group holds
 FINE = 254  # with `fine`, the second rounding's steps per step of the first
@@ -39,6 +39,12 @@ kernel, available, instructions = native.op_library("w8a8", UNAVAILABLE)
 def per_channel_scales(weight: torch.Tensor) -> torch.Tensor:
     """The scale of each output row: max |w_row| / 127 (never 0)."""
     return (weight.abs().amax(1) / 127).clamp(min=1e-12)
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 q (N, K) and the float scale of each row (N,) of a float weight (N, K): w ≈ q * s."""
+    scales = per_channel_scales(weight)
+    return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -111,16 +117,17 @@ class W8A8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, fine: bool = False) -> None:
         super().__init__()
         self.fine = fine
-        weight = linear.weight.detach().float().cpu()
-        scales = per_channel_scales(weight)
-        q = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._hold(*quantize_rows(linear.weight.detach().float().cpu()), linear.bias)
+        self.to(linear.weight.device)
+
+    def _hold(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Keeps int8 weights q (N, K) with their float scales (N,), packed."""
+        self.out_features, self.in_features = q.shape
         padded_scales = torch.zeros(-(-self.out_features // TILE) * TILE)
         padded_scales[: self.out_features] = scales
         self.register_buffer("packed", pack(q))
         self.register_buffer("scale_bits", padded_scales.view(torch.int32))  # bits: `.to(bfloat16)` leaves them
-        self.bias = linear.bias
-        self.to(linear.weight.device)
+        self.bias = bias
 
     @property
     def scales(self) -> torch.Tensor:
@@ -135,7 +142,7 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu" and flat.dtype in KERNEL_DTYPES and available():
+        if dispatch.native(flat.device) and flat.dtype in KERNEL_DTYPES and available():
             out = torch.ops.tformer.w8a8_matmul(flat, self.packed, self.scales, self.out_features, False, self.fine)
         else:
             scales = self.scales[: self.out_features]
