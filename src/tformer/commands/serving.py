@@ -42,6 +42,7 @@ def generate(
     json_object: bool = False,
     regex: str | None = None,
     grammar: str | None = None,
+    device: str = "cpu",
 ) -> None:
     """Generate text from prompts given as arguments, or one per line from stdin, streaming as it goes.
 
@@ -69,14 +70,19 @@ def generate(
     json_object: hold the output to any JSON object
     regex: hold the output to this regular expression (matched whole; \\d is an ASCII digit)
     grammar: hold the output to this grammar, GBNF (llama.cpp's --grammar) or Lark: a file, or the grammar itself
+    device: where the model runs: cpu, cuda, cuda:N, mps, ... (tformer's C++ kernels on an x86 CPU, torch's ops
+      elsewhere; docs/devices.md)
     """
     from tformer.engine import EngineConfig, SamplingParams
     from tformer.engine.loading import load_engine
+    from tformer.kernels.dispatch import resolve_device
+
+    resolve_device(device)  # before the (slow) load
 
     if compile:
         _keep_compiled_kernels()
     config = EngineConfig(compile=compile, num_speculative_tokens=speculative_tokens, kv_cache_dtype=kv_cache_dtype)
-    engine = load_engine(model, config, quantize, dtype, draft_model, draft_quantize)
+    engine = load_engine(model, config, quantize, dtype, draft_model, draft_quantize, device=device)
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise CheckpointError(f"{model} has no tokenizer.json; `tformer generate` needs one to read text prompts")
@@ -100,7 +106,9 @@ def generate(
         print()
 
 
-def embed(texts: list[str], *, model: str, pooling: str | None = None, normalize: bool = True) -> None:
+def embed(
+    texts: list[str], *, model: str, pooling: str | None = None, normalize: bool = True, device: str = "cpu"
+) -> None:
     """Print one embedding per text (arguments, or one per line from stdin) as a JSON list per line.
 
     model: a tformer checkpoint, a Hugging Face directory (a sentence-transformers one brings its own pooling, such
@@ -108,16 +116,22 @@ def embed(texts: list[str], *, model: str, pooling: str | None = None, normalize
     pooling: mean, cls or last (default: the directory's sentence-transformers setting, else mean for encoders and
       last for decoders)
     normalize: scale each vector to unit length (then a dot product is the cosine similarity)
+    device: where the model runs: cpu, cuda, cuda:N, mps, ... (tformer's C++ kernels on an x86 CPU, torch's ops
+      elsewhere; docs/devices.md)
     """
     import json
     import warnings
 
     from tformer.checkpoints import load_pretrained
     from tformer.engine.embedding import Embedder, Pooling
+    from tformer.kernels.dispatch import resolve_device
+
+    where = resolve_device(device)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # weights an embedding does not use (a pooler, a head) are dropped
         net, tokenizer = load_pretrained(model)
+    net.to(where)
     found = Pooling.default_for(net, model)
     chosen = Pooling(pooling or found.mode, normalize, found.max_tokens)
     embedder = Embedder(net, tokenizer, chosen)
@@ -172,6 +186,7 @@ def serve(
     request_timeout: float = 600.0,
     shutdown_timeout: float = 10.0,
     max_embedding_tokens: int = 65536,
+    device: str = "cpu",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1, /metrics) and a web playground at / (chat, runs, ...).
 
@@ -209,10 +224,15 @@ def serve(
     shutdown_timeout: seconds running requests get to finish on SIGTERM / SIGINT; then each ends with an error
       (a stream with an error chunk and [DONE])
     max_embedding_tokens: the most tokens one /v1/embeddings request may embed
+    device: where the model runs: cpu, cuda, cuda:N, mps, ... (tformer's C++ kernels on an x86 CPU, torch's ops
+      elsewhere; docs/devices.md)
     """
     from tformer.engine import EngineConfig
+    from tformer.kernels.dispatch import resolve_device
     from tformer.serve import run_server
     from tformer.serve.middleware import ServerLimits
+
+    resolve_device(device)  # before the server binds its port
 
     for name, value in (("max_waiting", max_waiting), ("max_embedding_tokens", max_embedding_tokens)):
         if value < 1:
@@ -259,6 +279,7 @@ def serve(
         runs_dir=runs,
         limits=limits,
         shutdown_timeout=shutdown_timeout,
+        device=device,
     )
 
 
@@ -330,6 +351,7 @@ def bench(
     prompt_tokens: int = 128,
     new_tokens: int = 32,
     kv_cache_dtype: str = "auto",
+    device: str = "cpu",
 ) -> None:
     """Measure prefill and decode speed (batch 1 and batch N) against memory bandwidth, and say what would help.
 
@@ -342,10 +364,15 @@ def bench(
     new_tokens: tokens generated per request
     kv_cache_dtype: auto (the model's dtype) or int8 (keys and values as int8 with a scale per token and head:
       about half bf16's bytes, so more tokens fit and long contexts decode faster; perplexity in docs/engine.md)
+    device: where the model runs: cpu, cuda, cuda:N, mps, ... (tformer's C++ kernels on an x86 CPU, torch's ops
+      elsewhere; docs/devices.md)
     """
     from tformer.engine import EngineConfig
     from tformer.engine.bench import bench_engine, format_bench, remedies
     from tformer.engine.loading import load_engine
+    from tformer.kernels.dispatch import resolve_device
+
+    resolve_device(device)
 
     for name, value in (("batch", batch), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
         if value < (2 if name == "new_tokens" else 1):
@@ -353,6 +380,6 @@ def bench(
     if compile:
         _keep_compiled_kernels()
     config = EngineConfig(compile=compile, prefix_caching=False, max_seqs=max(batch, 1), kv_cache_dtype=kv_cache_dtype)
-    engine = load_engine(model, config, quantize, dtype)
+    engine = load_engine(model, config, quantize, dtype, device=device)
     result = bench_engine(engine, prompt_tokens, new_tokens, batch)
     print(format_bench(model, result, remedies(engine, result)))
