@@ -247,8 +247,9 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=True).ids
 
     def encode_batch(self, texts: Sequence[str], add_bos: bool | None = None) -> list[list[int]]:
-        """Token ids of many texts, encoded in parallel by the Rust backend."""
-        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+        """Token ids of many texts, encoded in parallel by the Rust backend (without the character offsets, which
+        nothing here reads: the same ids, sooner)."""
+        encodings = self.backend.encode_batch_fast(list(texts), add_special_tokens=False)
         return [self._with_bos(e.ids, add_bos) for e in encodings]
 
     def _with_bos(self, ids: list[int], add_bos: bool | None) -> list[int]:
