@@ -74,7 +74,7 @@ class Report:
 
 
 # ---- the two systems ----------------------------------------------------------------------------------------------
-def tformer_decoder(model, tokenizer, patience: float | None = None):
+def tformer_decoder(model, tokenizer, patience: float | None = None, workers: int = 1):
     from tformer.decoding.search import translate_ids
 
     def run(sentences: list[str]) -> list[list[int]]:
@@ -89,6 +89,7 @@ def tformer_decoder(model, tokenizer, patience: float | None = None):
             alpha=ALPHA,
             batch_size=BATCH,
             patience=patience,
+            workers=workers,
         )
 
     return run
@@ -189,6 +190,7 @@ def compare(args: argparse.Namespace, out: Report) -> None:
         "tformer fp32": lambda: tformer_decoder(model, tokenizer),
         "tformer fp32, copying KV cache (before)": lambda: copying_decoder(model, tokenizer),
         "tformer fp32, patience 1": lambda: tformer_decoder(model, tokenizer, patience=1.0),
+        "tformer fp32, 2 batches at once": lambda: tformer_decoder(model, tokenizer, workers=2),
         "tformer fp32, Engine beams (server path)": lambda: engine_decoder(model, tokenizer),
         "tformer bf16 weights": lambda: tformer_decoder(Translator.load(args.run, "bfloat16").model, tokenizer),
         "tformer int8 weights, bf16": lambda: tformer_decoder(
@@ -202,7 +204,8 @@ def compare(args: argparse.Namespace, out: Report) -> None:
     }
     wanted = [part.strip() for part in args.modes.split(",") if part.strip()]
     # the references of the ratios, and the search before the shared keys
-    always = ("tformer fp32", "tformer fp32, copying KV cache (before)", "CTranslate2 float32", "CTranslate2 int8")
+    always = ("tformer fp32", "tformer fp32, copying KV cache (before)", "tformer fp32, 2 batches at once")
+    always += ("CTranslate2 float32", "CTranslate2 int8")
     modes = {
         name: build()
         for name, build in builders.items()

@@ -220,3 +220,16 @@ def test_beams_that_share_keys_through_a_table_give_the_copying_caches_hypothese
     reorders.clear()
     assert beam_search(model, src, src_mask, limits, BOS, EOS, 4, alpha=0.6) == shared
     assert not reorders
+
+
+def test_batches_searched_side_by_side_give_the_same_translations_in_input_order() -> None:
+    model = sharp_model("paper", vocab_size=12, seed=3)
+    generator = torch.Generator().manual_seed(1)
+    sources = [torch.randint(3, 12, (n,), generator=generator).tolist() for n in [9, 2, 14, 5, 5, 1, 12, 7, 3, 10]]
+    one = translate_ids(model, sources, BOS, EOS, PAD, beam_size=3, batch_size=3)
+    threads = torch.get_num_threads()
+    done = []
+    two = translate_ids(model, sources, BOS, EOS, PAD, beam_size=3, batch_size=3, workers=2, progress=done.append)
+    assert two == one and sorted(done) == [1, 3, 3, 3] and torch.get_num_threads() == threads
+    with pytest.raises(ValueError, match="workers"):
+        translate_ids(model, sources, BOS, EOS, PAD, workers=0)

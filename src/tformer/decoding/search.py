@@ -9,6 +9,7 @@ stops a sentence once it has `beam_size` finished hypotheses and no live one can
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -356,6 +357,7 @@ def translate_ids(
     patience: float | None = None,
     batch_tokens: int = 0,
     progress: Callable[[int], object] | None = None,
+    workers: int = 1,
 ) -> list[list[int]]:
     """Decodes each source (token ids, </s> appended here) into at most len(source) + 1 + `extra_len` tokens.
 
@@ -364,6 +366,11 @@ def translate_ids(
     means greedy search; `patience` is beam search's early stop (`beam_search`). `progress(n)` is called as each
     batch of n sources is done. A source longer than the model's positions (max_seq_len, with its </s>) is a
     RequestError naming it.
+
+    `workers` > 1 searches that many batches at once, each on a thread of its own with torch's intra-op threads
+    shared out among them (set back after): a beam search step is many small ops, and several batches side by side
+    keep the cores busier than one batch's ops split across them (docs/translation.md measures it). The results
+    do not depend on it.
     """
     limit = model.config.max_seq_len
     for i, source in enumerate(sources):
@@ -372,9 +379,11 @@ def translate_ids(
                 f"source {i} has {len(source)} tokens (+ </s>), more than this model's max_seq_len of {limit} "
                 "positions; split it into shorter sentences"
             )
+    if workers < 1:
+        raise ValueError(f"workers is {workers}; give 1 (one batch at a time) or more")
     device = next(model.parameters()).device
-    results: list[list[int]] = [[] for _ in sources]
-    for chunk in length_batches([len(source) + 1 for source in sources], batch_size, batch_tokens):
+
+    def search(chunk: list[int]) -> list[list[int]]:
         rows = [[*sources[i], eos_id] for i in chunk]
         width = max(len(r) for r in rows)
         src = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
@@ -383,13 +392,27 @@ def translate_ids(
         src_mask = (src != pad_id).long()
         max_len = [min(len(row) + extra_len, model.config.max_seq_len) for row in rows]
         if beam_size == 1:
-            out = greedy_search(model, src, src_mask, max_len, bos_id, eos_id)
-        else:
-            out = beam_search(model, src, src_mask, max_len, bos_id, eos_id, beam_size, alpha, patience)
-        for i, ids in zip(chunk, out, strict=True):
-            results[i] = ids
-        if progress is not None:
-            progress(len(chunk))
+            return greedy_search(model, src, src_mask, max_len, bos_id, eos_id)
+        return beam_search(model, src, src_mask, max_len, bos_id, eos_id, beam_size, alpha, patience)
+
+    results: list[list[int]] = [[] for _ in sources]
+    batches = length_batches([len(source) + 1 for source in sources], batch_size, batch_tokens)
+    threads, workers = torch.get_num_threads(), min(workers, len(batches))
+    pool = ThreadPoolExecutor(workers) if workers > 1 else None  # one: this thread, its settings (autocast) kept
+    if pool is not None:
+        torch.set_num_threads(max(1, threads // workers))
+    try:
+        for chunk, out in zip(
+            batches, map(search, batches) if pool is None else pool.map(search, batches), strict=True
+        ):
+            for i, ids in zip(chunk, out, strict=True):
+                results[i] = ids
+            if progress is not None:
+                progress(len(chunk))
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+            torch.set_num_threads(threads)
     return results
 
 

@@ -54,6 +54,7 @@ class Translator:
         patience: float | None = None,
         batch_tokens: int = 0,
         progress: Callable[[int], object] | None = None,
+        workers: int = 1,
     ) -> list[str]:
         """Translations of plain sentences, in input order (sentences are batched by length); greedy when
         `beam_size` is 1; `alpha` is the length penalty's exponent, ((5 + len) / 6) ** alpha.
@@ -61,7 +62,8 @@ class Translator:
         `patience` None searches exactly (until no live beam can beat the best finished hypothesis); a number p
         stops a sentence once round(beam_size * p) hypotheses have finished, as CTranslate2's `patience`. A batch
         holds at most `batch_size` sentences and, with `batch_tokens`, that many padded source tokens. `progress(n)`
-        is called as each batch of n sentences is done (a progress bar's `update`).
+        is called as each batch of n sentences is done (a progress bar's `update`). `workers` > 1 searches that many
+        batches at once, torch's threads shared among them (`translate_ids`).
         """
         tokenizer = self.tokenizer
         sources = tokenizer.encode_batch(list(sentences))
@@ -77,6 +79,7 @@ class Translator:
             patience=patience,
             batch_tokens=batch_tokens,
             progress=progress,
+            workers=workers,
         )
         return tokenizer.decode_batch(ids)
 
