@@ -118,6 +118,18 @@ def test_engine_bf16_and_quantized_within_margin_on_the_gpu(quantize: str | None
         assert within_rounding(model, prompt, result.token_ids, margin)
 
 
+def test_speculative_decoding_on_the_gpu_keeps_the_targets_tokens() -> None:
+    import copy
+
+    model = make_model(tiny_config("tiny-llama")).to(CUDA)
+    draft = set_precision(copy.deepcopy(model), "float32", "int8", fuse=False)
+    prompts = prompts_of_mixed_lengths(model.config.vocab_size)
+    plain = [r.token_ids for r in Engine(model).generate(prompts, GREEDY)]
+    assert [r.token_ids for r in Engine(model, draft=draft).generate(prompts, GREEDY)] == plain
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)  # rejection draws: the CPU
+    assert all(len(r.token_ids) == 8 for r in Engine(model, draft=draft).generate(prompts, sampled))
+
+
 def test_seeded_sampling_draws_the_cpu_stream_on_the_gpu() -> None:
     model = make_model(tiny_config("tiny-llama"))
     prompts = prompts_of_mixed_lengths(model.config.vocab_size)
