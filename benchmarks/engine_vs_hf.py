@@ -62,6 +62,7 @@ from tformer.checkpoints import load_pretrained  # noqa: E402
 from tformer.data.corpora import bible_text  # noqa: E402
 from tformer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tformer.engine.bench import copy_bandwidth  # noqa: E402
+from tformer.kernels import dispatch  # noqa: E402
 from tformer.kernels.dispatch import resolve_device  # noqa: E402
 from tformer.kernels.quantize import QUANT_MODES, WEIGHT_DTYPES, model_bytes, set_precision  # noqa: E402
 
@@ -220,7 +221,10 @@ def main() -> None:
     print(machine_info())
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}")
-    print(kernel_paths())
+    if dispatch.native(device):
+        print(kernel_paths())
+    else:  # kernels/dispatch.py: no C++ kernel runs off an x86 CPU, nor with TFORMER_PORTABLE_KERNELS=1
+        print(f"tformer kernels on {device}: torch's own ops (SDPA, gathered paged attention, dequantized weights)")
     print(load_report("before"))
     model, tokenizer = load_pretrained(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
