@@ -7,13 +7,14 @@ benchmarks/results/engine_claims.json, and `plot` draws docs/engine-claims.png f
     .venv/bin/python benchmarks/engine_claims.py paged     [--requests 32] [--kv-mib 360] [--max-len 2048]
     .venv/bin/python benchmarks/engine_claims.py plot
 
-- kv-cache (seed: "O(n^2) -> O(n), 10x"): greedy decoding in one plain loop, the model's KV cache on (each step feeds
-  the new token) against off (each step runs the whole sequence so far and keeps the last logits). The cached loop
-  runs to the longest length and times every step; the uncached one runs `--full-uncached` tokens whole (its tokens
-  must equal the cached loop's) and times single steps at sampled lengths past that, since a whole uncached run of
-  2,048 tokens would take over an hour here: its tokens/s at a length is that length over the sum of its step
-  times, interpolated linearly between the sampled lengths (checked against the whole run at `--full-uncached`).
-  The engine's own batch-1 decode (paged cache, scheduler and sampler) is a third column.
+- kv-cache (seed: "O(n^2) -> O(n), 10x"): greedy decoding of SmolLM2 with its KV cache on (each step feeds the new
+  token to the model's contiguous cache) against off (each step runs the whole sequence so far through the stack
+  and the output head on the last position), one variable changed in one plain loop; the engine's own batch-1
+  decode (paged cache, scheduler, sampler) is a third column. The cost of the step that produces token n is timed
+  at sampled n (up to 2,048: a context of n - 1 real tokens after the prompt, prefilled untimed; the median of
+  `--steps` decode steps, one uncached forward), and tokens/s over n tokens is n over the sum of the step costs
+  1..n, linear between the samples: a whole uncached run of 2,048 tokens would take hours here. Whole runs of
+  `--full-cached` and `--full-uncached` tokens check that estimate, and that both sides choose the same tokens.
 - batching (seed: continuous batching "10x"): the same engine with `EngineConfig(static_batching=True)` (a batch is
   admitted only when the last has finished, as HF `generate` and FasterTransformer batch) against continuous
   batching (a finished request's slot refills at the next step), `--requests` requests arriving together with
@@ -84,6 +85,19 @@ def cached_loop(model, prompt: list[int], n: int) -> tuple[list[int], list[float
 
 
 @torch.inference_mode()
+def cached_step_at(model, context: list[int], steps: int) -> float:
+    """Median seconds of `steps` cached decode steps after a context of len(context) tokens (prefilled untimed)."""
+    cache = model.new_cache(1, len(context) + steps)
+    model(torch.tensor([context[:-1]]), cache=cache, start=0)
+    token, times = context[-1], []
+    for i in range(steps):
+        start = time.perf_counter()
+        token = int(model(torch.tensor([[token]]), cache=cache, start=len(context) - 1 + i)[0, -1].argmax())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
 def uncached_step(model, ids: list[int]) -> int:
     """One step without a cache: the whole sequence through the stack, the output head on its last position only."""
     x = torch.tensor([ids])
@@ -100,64 +114,62 @@ def uncached_loop(model, prompt: list[int], n: int) -> tuple[list[int], list[flo
     return ids[len(prompt) :], times
 
 
-def engine_steps(engine: Engine, prompt: list[int], n: int) -> list[float]:
-    """Batch-1 greedy decoding in the engine: each step's seconds after the first (the prompt)."""
-    engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+def engine_step_at(engine: Engine, context: list[int], steps: int) -> float:
+    """Median seconds of the engine's batch-1 decode steps after a prompt of len(context) tokens (its prefill and the
+    first decode untimed)."""
+    engine.add_request(context, SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
     times = []
     while engine.has_unfinished():
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    return times[1:]
-
-
-def window_median(times: list[float], end: int, width: int = 16) -> float:
-    """Median seconds of the steps that produced tokens end - width .. end (per-token cost at that length)."""
-    return statistics.median(times[max(0, end - width - 1) : end - 1])
+    return statistics.median(times[2:])
 
 
 def kv_cache(args) -> None:
     model, tokenizer = load_pretrained(smollm2_path())
     model.eval()
     prompt = story_prompt(tokenizer)
-    longest = max(args.lengths)
-    print(f"prompt {len(prompt)} tokens; generating up to {longest}")
-    cached_tokens, cached_times = cached_loop(model, prompt, longest)
-    print(load_report("after the cached loop"))
+    cached_tokens, cached_times = cached_loop(model, prompt, args.full_cached)
     full_tokens, full_times = uncached_loop(model, prompt, args.full_uncached)
     agree = full_tokens == cached_tokens[: args.full_uncached]
-    print(f"uncached and cached greedy tokens agree on all {args.full_uncached}: {agree}")
+    print(f"uncached and cached greedy tokens agree on all {args.full_uncached}: {agree}", flush=True)
+    text = tokenizer.encode(" ".join(bible_text("test")))  # real tokens to stand for what a long output generated
+    longest = max(args.lengths)
+    engine = Engine(model, tokenizer, EngineConfig(max_model_len=len(prompt) + longest + 16, prefix_caching=False))
     samples = sorted({*args.sample_lengths, *args.lengths})
-    sampled = {}  # tokens generated before the step -> seconds of that uncached step (median of --repeats)
-    filler = cached_tokens + [cached_tokens[-1]] * 8
+    cost = {"cached": {}, "uncached": {}, "engine": {}}  # side -> tokens generated before the step -> seconds
     for length in samples:
-        ids = prompt + filler[: length - 1]
-        sampled[length] = statistics.median(
-            _timed(lambda ids=ids: uncached_step(model, ids)) for _ in range(args.repeats)
+        context = prompt + text[: length - 1]
+        cost["cached"][length] = cached_step_at(model, context, args.steps)
+        cost["uncached"][length] = statistics.median(
+            _timed(lambda context=context: uncached_step(model, context)) for _ in range(args.repeats)
         )
-        print(f"uncached step producing token {length}: {sampled[length]:.3f} s", flush=True)
-    engine = Engine(model, tokenizer, EngineConfig(max_model_len=len(prompt) + longest + 16))
-    engine_times = engine_steps(engine, prompt, longest)
-    rows = []
-    for length in args.lengths:
-        uncached_total = integrate(sampled, length)
-        rows.append(
-            {
-                "tokens": length,
-                "cached_tok_s": (length - 1) / sum(cached_times[: length - 1]),
-                "uncached_tok_s": length / uncached_total,
-                "engine_tok_s": (length - 1) / sum(engine_times[: length - 1]),
-                "cached_step_ms": 1e3 * window_median(cached_times, length),
-                "uncached_step_ms": 1e3 * sampled[length],
-                "engine_step_ms": 1e3 * window_median(engine_times, length),
-            }
+        cost["engine"][length] = engine_step_at(engine, context, args.steps)
+        print(
+            f"step producing token {length}: cached {1e3 * cost['cached'][length]:.1f} ms, uncached "
+            f"{1e3 * cost['uncached'][length]:.0f} ms, engine {1e3 * cost['engine'][length]:.1f} ms",
+            flush=True,
         )
-    whole = args.full_uncached / sum(full_times)
-    estimate = args.full_uncached / integrate(sampled, args.full_uncached)
-    print(f"\nuncached tokens/s at {args.full_uncached}: whole run {whole:.2f}, from the sampled steps {estimate:.2f}")
-    print(
-        "\n| output tokens | cached tok/s | uncached tok/s | cached / uncached | engine tok/s | step ms at that length"
-    )
+    rows = [
+        {
+            "tokens": n,
+            **{f"{side}_tok_s": n / integrate(cost[side], n) for side in cost},
+            **{f"{side}_step_ms": 1e3 * cost[side][n] for side in cost},
+        }
+        for n in args.lengths
+    ]
+    checks = {
+        "cached": {"tokens": args.full_cached, "whole_run_tok_s": (args.full_cached - 1) / sum(cached_times)},
+        "uncached": {"tokens": args.full_uncached, "whole_run_tok_s": args.full_uncached / sum(full_times)},
+    }
+    for side, check in checks.items():
+        check["from_sampled_steps_tok_s"] = check["tokens"] / integrate(cost[side], check["tokens"])
+        print(
+            f"{side}: tokens/s over {check['tokens']} tokens, whole run {check['whole_run_tok_s']:.2f}, from the "
+            f"sampled steps {check['from_sampled_steps_tok_s']:.2f}"
+        )
+    print("\n| output tokens | cached tok/s | uncached tok/s | cached / uncached | engine tok/s | ms a step there |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(
@@ -169,12 +181,11 @@ def kv_cache(args) -> None:
     save(
         "kv_cache",
         {
+            "args": vars(args),
             "prompt_tokens": len(prompt),
             "rows": rows,
-            "uncached_step_s": sampled,
-            "cached_step_s": cached_times,
-            "engine_step_s": engine_times,
-            "whole_uncached": {"tokens": args.full_uncached, "tok_s": whole, "estimate_tok_s": estimate},
+            "step_s": cost,
+            "whole_runs": checks,
             "tokens_agree": agree,
             "load": load_report("end"),
         },
@@ -333,13 +344,12 @@ def plot(_args) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     kv = data["kv_cache"]
     ax = axes[0]
-    steps = kv["cached_step_s"]
-    ax.plot(range(2, len(steps) + 2), [1e3 * s for s in steps], lw=0.5, label="KV cache on (model loop)")
-    eng = kv["engine_step_s"]
-    ax.plot(range(2, len(eng) + 2), [1e3 * s for s in eng], lw=0.5, label="KV cache on (engine)")
-    xs = sorted(int(k) for k in kv["uncached_step_s"])
-    ax.plot(xs, [1e3 * kv["uncached_step_s"][str(x)] for x in xs], "o-", label="KV cache off (whole forward)")
-    ax.set(xlabel="token being generated", ylabel="ms per token", yscale="log", title="KV cache: cost per token")
+    labels = {"cached": "KV cache on (model loop)", "engine": "KV cache on (engine)", "uncached": "KV cache off"}
+    for side, label in labels.items():
+        xs = sorted(int(k) for k in kv["step_s"][side])
+        ax.plot(xs, [1e3 * kv["step_s"][side][str(x)] for x in xs], "o-", label=label)
+    ax.set(xlabel="token being generated", ylabel="ms per token", xscale="log", yscale="log")
+    ax.set_title("KV cache: cost of one token")
     ax.legend(fontsize=8)
     for ax, part, names in (
         (axes[1], "batching", ("static", "continuous")),
@@ -370,9 +380,11 @@ def main() -> None:
     sub = parser.add_subparsers(dest="part", required=True)
     p = sub.add_parser("kv-cache")
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
-    p.add_argument("--full-uncached", type=int, default=128)
-    p.add_argument("--sample-lengths", type=int, nargs="+", default=[1, 64, 256, 1024, 1536])
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--full-cached", type=int, default=128)
+    p.add_argument("--full-uncached", type=int, default=64)
+    p.add_argument("--sample-lengths", type=int, nargs="+", default=[1, 32, 64, 256, 1024])
+    p.add_argument("--steps", type=int, default=5, help="decode steps timed at each sampled length (cached, engine)")
+    p.add_argument("--repeats", type=int, default=1, help="uncached steps timed at each sampled length")
     for name in ("batching", "paged"):
         p = sub.add_parser(name)
         p.add_argument("--requests", type=int, default=32)
@@ -386,9 +398,11 @@ def main() -> None:
             p.add_argument("--kv-mib", type=int, default=360)
             p.add_argument("--max-len", type=int, default=2048)
     sub.add_parser("plot")
+    for p in sub.choices.values():
+        p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     args = parser.parse_args()
     if args.part != "plot":
-        set_threads()
+        set_threads(args.threads)
         print(machine_info())
         print(f"CPU flags: {cpu_flags()}")
         print(load_report("before"))

@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/objective_eval.py prefix_lm runs/llama-small-prefixlm
     .venv/bin/python benchmarks/objective_eval.py denoising runs/bart-small-denoising
+    .venv/bin/python benchmarks/objective_eval.py curves runs/llama-small-prefixlm runs/bart-small-denoising \
+        --output docs/pretraining-objectives.png      # training loss against step and training seconds
 
 The dev book (Judges), its verses of at most 128 tokens, corrupted or split with a fixed seed so that every
 checkpoint sees the same inputs:
@@ -138,12 +140,37 @@ def eval_denoising(model, tokenizer, lines, generator) -> dict:
     return result
 
 
+def curves(runs: list[str], output: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for run in runs:
+        rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "loss" in r and "step" in r]
+        for ax, x in zip(axes, ("step", "elapsed"), strict=True):
+            ax.plot([r[x] for r in rows], [r["loss"] for r in rows], marker=".", label=Path(run).name)
+    axes[0].set(xlabel="step", ylabel="training loss (nats per target token)")
+    axes[1].set(xlabel="training seconds", ylabel="training loss")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(output, dpi=110)
+    print(f"wrote {output}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("objective", choices=["prefix_lm", "denoising"])
-    parser.add_argument("run", help="a run directory or checkpoint")
-    parser.add_argument("--output", type=Path, default=None, help="also write the scores as JSON here")
+    parser.add_argument("objective", choices=["prefix_lm", "denoising", "curves"])
+    parser.add_argument("run", nargs="+", help="a run directory or checkpoint (curves: several runs)")
+    parser.add_argument("--output", type=Path, default=None, help="also write the scores as JSON here (curves: PNG)")
     args = parser.parse_args()
+    if args.objective == "curves":
+        curves(args.run, args.output)
+        return
+    args.run = args.run[0]
     checkpoint = resolve_checkpoint(args.run)
     model, tokenizer = load_pretrained(checkpoint)
     model.eval()
