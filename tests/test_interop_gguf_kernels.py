@@ -5,9 +5,9 @@ What each type keeps (docs/interop.md, "Each type in its kernel"):
 - Q4_0 and Q4_1 are INT4's groups of 32 exactly: the layer's weights equal the file's bit for bit.
 - Q4_K's groups of 32 are exact in q; each group's d * scale and dmin * minimum (float32 products of a 6-bit
   integer and an fp16) are rounded to INT4's fp16, so the weights are q * fp16(s) + fp16(m), bit for bit.
-- Q5_0, Q5_1, Q5_K (5 bits do not fit INT4's 4), Q6_K and Q8_0 (INT8 has one scale per row, the blocks one per
-  16 or 32 weights) are requantized from their dequantized rows, a few rows at a time: the numbers equal those of
-  the layer quantized from the whole float weight.
+- Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 serve as INT8 (INT8 has one scale per row, the blocks one per 16 or 32 weights;
+  --quantize int4 sends the 5-bit ones to INT4, whose 4 bits they do not fit): requantized from their dequantized
+  rows, a few rows at a time, the numbers equal those of the layer quantized from the whole float weight.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def test_a_file_loads_each_layer_in_its_own_types_kernel_with_its_bias(mixed_fil
     reference = from_gguf(mixed_file)
     model, _ = load_quantized(mixed_file, "int4", as_stored=True)
     i4, i8 = Int4Linear, Int8Linear
-    assert layer_types(model) == {"q": i4, "k": i4, "v": i8, "o": i8, "gate": i4, "up": i4, "down": i4}
+    assert layer_types(model) == {"q": i4, "k": i4, "v": i8, "o": i8, "gate": i8, "up": i8, "down": i4}
     ours, theirs = model.decoder.layers[1].self_attn, reference.decoder.layers[1].self_attn
     for name in ("q_proj", "k_proj", "v_proj"):
         assert torch.equal(getattr(ours, name).bias, getattr(theirs, name).bias)
@@ -258,4 +258,4 @@ def test_a_file_loads_each_layer_in_its_own_types_kernel_with_its_bias(mixed_fil
         expected = reference(ids)
         for served in (set_precision(model, "float32", "int4"), set_precision(every_int8, "float32", "int8")):
             error = (served(ids) - expected).abs().max() / expected.abs().max()
-            assert error < 0.05, error  # 5-bit layers requantized to 4 bits; a wrong or unpermuted layer is O(1)
+            assert error < 0.05, error  # every layer int8, or 4-bit groups; a wrong or unpermuted layer is O(1)

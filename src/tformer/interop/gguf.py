@@ -52,10 +52,11 @@ REQUIRED_METADATA = ("embedding_length", "block_count", "attention.head_count")
 ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 ROPE_FREQS = "rope_freqs.weight"
 LLAMA3_ORIGINAL_CONTEXT = 8192  # Llama 3.x's; see `llama3_rope`
-# the serving format that keeps what a file's layers store: 2-5 bits a weight in INT4, 6 and 8 in INT8
+# the serving kernel of each type's layers: 2-4 bits a weight INT4, 5 to 8 INT8. 5 bits do not fit INT4, and
+# requantizing them to 4 costs far more perplexity than INT8's one scale a row (docs/interop.md)
 STORED_PRECISION: dict[GGMLQuantizationType, str] = {
-    **dict.fromkeys((Q.Q2_K, Q.Q3_K, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K), "int4"),
-    **dict.fromkeys((Q.Q6_K, Q.Q8_0), "int8"),
+    **dict.fromkeys((Q.Q2_K, Q.Q3_K, Q.Q4_0, Q.Q4_1, Q.Q4_K), "int4"),
+    **dict.fromkeys((Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0), "int8"),
 }
 ROW_TRANSFORMS = tuple(LLAMA_PERMUTED.values())  # transforms that move whole rows, which quantized blocks allow
 
