@@ -63,7 +63,10 @@ def prepare(
         if source:
             return Tokenizer.load(source)
         print(f"training the tokenizer on {sample_mb:g} MB of {corpus.path}")
-        return Tokenizer.train(corpus.sample(sample_bytes), config.vocab_size, num_sentinels=sentinels(config))
+        begun = time.perf_counter()
+        trained = Tokenizer.train(corpus.sample(sample_bytes), config.vocab_size, num_sentinels=sentinels(config))
+        print(f"trained the tokenizer in {time.perf_counter() - begun:.1f} s")
+        return trained
 
     def special_ids(tok: Tokenizer) -> tuple[int, int]:
         vocab = vocab_of(tok)

@@ -134,6 +134,9 @@ def _prepared_data(config: TrainConfig, run_dir: Path, pretrained: Tokenizer | N
     vocab = vocab_of(tokenizer)
     if kind == "text" and (corpus.bos_id, corpus.eos_id) != (vocab.bos_id, vocab.eos_id):
         raise DataError(f"{config.prepared}: the documents are framed by other <s> and </s> ids than the tokenizer's")
+    if config.pack:  # the blocks' lengths: no array a document
+        examples = PackedBlocks(corpus, config.max_len)
+        return _with_held_out(config, tokenizer, examples, examples.lengths(), skipped=0)
     lengths = corpus.document_lengths()
     if kind == "pairs":
         source, target = lengths[0::2], lengths[1::2]
@@ -141,10 +144,6 @@ def _prepared_data(config: TrainConfig, run_dir: Path, pretrained: Tokenizer | N
         keep = None if fits.all() else np.flatnonzero(fits)
         examples: Sequence = Pairs(corpus, keep)
         lengths = np.maximum(source, target)[fits] + 1  # seq2seq_lengths
-    elif config.pack:
-        examples = PackedBlocks(corpus, config.max_len)
-        lengths = examples.lengths()
-        return _with_held_out(config, tokenizer, examples, lengths, skipped=0)
     else:
         text = lengths - 2  # stored with <s> and </s>; the objectives add their own
         fits = (text > 0) & (text <= config.max_len)
