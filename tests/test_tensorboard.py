@@ -9,6 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import trainer, write_corpus, write_recipe
@@ -77,7 +78,12 @@ def test_the_event_file_holds_metrics_jsonl_and_the_histograms_of_the_last_step(
                 kind,
                 name,
             )  # a float32 sum
-            assert sum(last.bucket) == tensor.numel()
+            if last.min == last.max:  # a constant, e.g. a norm's weights that did not move: one bucket
+                assert list(last.bucket) == [tensor.numel()]
+                continue
+            counts, edges = np.histogram(tensor.numpy(), bins=len(last.bucket), range=(last.min, last.max))
+            assert list(last.bucket) == counts.tolist(), (kind, name)  # numpy's histogram over the same range
+            assert list(last.bucket_limit) == pytest.approx(edges[1:].tolist(), rel=1e-6), (kind, name)  # f32 edges
 
 
 def test_a_resumed_run_logs_each_step_once(tmp_path: Path) -> None:
