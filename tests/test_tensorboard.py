@@ -5,6 +5,7 @@ step they were taken at, and after a resume each step once, as metrics.jsonl doe
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -103,6 +104,20 @@ def test_a_resumed_run_logs_each_step_once(tmp_path: Path) -> None:
     assert after[3]["elapsed"] != before[3]["elapsed"]  # ... but not the clock
     assert len(list((resumed.run_dir / TENSORBOARD_DIR).glob("events.out.tfevents.*"))) == 2
     assert_every_number_at_its_step(resumed.run_dir)
+
+
+def test_non_finite_gradients_are_left_out_of_their_histogram(tmp_path: Path) -> None:
+    """An fp16 step that overflowed (and was skipped) leaves inf and NaN gradients: the finite ones are counted."""
+    model = torch.nn.Linear(3, 2)
+    model.weight.grad = torch.tensor([[1.0, math.inf, 2.0], [math.nan, 0.0, 3.0]])
+    model.bias.grad = torch.full((2,), math.nan)
+    sinks = MetricsSinks(["tensorboard"], tmp_path, model, histogram_every=1)
+    sinks.write({"step": 1, "loss": 1.0})
+    sinks.close()
+    events = read_events(tmp_path)
+    assert sorted(events.Tags()["histograms"]) == ["gradients/weight", "weights/bias", "weights/weight"]
+    counted = events.Histograms("gradients/weight")[0].histogram_value
+    assert (counted.num, counted.min, counted.max, counted.sum) == (4, 0.0, 3.0, 6.0)
 
 
 def test_sharded_parameters_get_no_histogram_and_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

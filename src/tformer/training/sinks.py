@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Protocol
@@ -87,10 +88,12 @@ class TensorBoardSink:
         """The histogram of `tensor` in HISTOGRAM_BINS equal buckets from its minimum to its maximum, counted by torch
         (SummaryWriter.add_histogram counts with numpy on one thread, several times slower on large weights)."""
         values = tensor.detach().float().flatten()
-        values = values[values.isfinite()] if not values.isfinite().all() else values  # an fp16 overflow's gradients
-        if values.numel() == 0:
-            return
-        low, high = values.min().item(), values.max().item()
+        low, high = (bound.item() for bound in torch.aminmax(values))  # one pass; a NaN or inf shows in them
+        if not (math.isfinite(low) and math.isfinite(high)):  # an fp16 overflow's gradients: count the finite ones
+            values = values[values.isfinite()]
+            if values.numel() == 0:
+                return
+            low, high = (bound.item() for bound in torch.aminmax(values))
         if low == high:  # a constant (a fresh norm's weights): one bucket
             limits, counts = [high], [values.numel()]
         else:
