@@ -41,10 +41,17 @@ def per_channel_scales(weight: torch.Tensor) -> torch.Tensor:
     return (weight.abs().amax(1) / 127).clamp(min=1e-12)
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 q (N, K) and the float scale of each row (N,) of a float weight (N, K): w ≈ q * s."""
-    scales = per_channel_scales(weight)
-    return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+def quantize_rows(weight: torch.Tensor, values: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 q (N, K) and the float scale of each row (N,) of a float weight (N, K): w ≈ q * s. A few rows at a
+    time (about `values` values), so that a large weight (a tied output head) needs no float temporaries its size."""
+    step = max(1, values // max(weight.shape[1], 1))
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], step):
+        rows = weight[start : start + step]
+        scales[start : start + step] = per_channel_scales(rows)
+        q[start : start + step] = torch.round(rows / scales[start : start + step, None]).clamp(-127, 127)
+    return q, scales
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
