@@ -16,7 +16,8 @@ The timed parts, each one invocation (run them under an exclusive `flock /tmp/cp
   alternating run by run (order reversed every other run), medians. The bandwidth share: weight bytes read per
   token x tok/s against a large copy's bandwidth (bytes read + written, `copy_bandwidth`) measured in the same
   run. Bytes per token: llama.cpp, every tensor as stored in the file (a tied embedding is read whole by the
-  head); tformer, every parameter and buffer less an embedding table only looked up by row.
+  head); tformer, every parameter and buffer less an embedding table only looked up by row; for the MoE both
+  count n_experts_per_token / n_experts of the expert weights (each token reads its 2 experts of 4).
 - `serve`: 32 requests with random prompts (8-128 tokens) and outputs (8-96 tokens) arriving together: total
   output tok/s of tformer's engine (continuous batching, the file served as stored) against HF `generate`
   static batching in bf16 (one left-padded batch, generated to the longest output), on the bf16 weights
@@ -25,6 +26,7 @@ The timed parts, each one invocation (run them under an exclusive `flock /tmp/cp
   request (llama.cpp maps the file and touches its pages then), against the file's size. Reported as the growth
   over the process's RSS before the load (the interpreter and its libraries: torch for tformer, llama_cpp for
   llama.cpp) and as the absolute RSS; both with the same KV-cache size (a 2,048-token context, 16-bit).
+- `profile`: torch.profiler's top operators of tformer's decode steps and of one long prompt (printed only).
 - `report`: the results of every part (kept in benchmarks/results/gguf_vs_llamacpp.json) as
   benchmarks/results/gguf_vs_llamacpp.txt, with the ratios against the goals.
 
@@ -213,6 +215,8 @@ def decode(args: argparse.Namespace) -> dict:
     bench = Batch1({name: engine}, llama, short, args.tokens)
     steps = {name: lambda: bench.tformer(name), LLAMACPP: bench.llamacpp}
     decode_timings = alternating_timing(steps, rounds=args.runs, warmup=1)
+    for side in bench.results:  # Batch1 records the warm-up run too
+        del bench.results[side][0]
 
     long = random_prompt(vocab, args.prompt_tokens, seed=2)
     prefill: dict[str, list[float]] = {name: [], LLAMACPP: []}
@@ -229,8 +233,15 @@ def decode(args: argparse.Namespace) -> dict:
         prefill[LLAMACPP].append(time.perf_counter() - start)
 
     prefill_timings = alternating_timing({name: tformer_prefill, LLAMACPP: llamacpp_prefill}, args.prompt_runs, 1)
+    for side in prefill:
+        del prefill[side][0]  # the warm-up run
     bandwidth, reading = copy_bandwidth(512), read_bandwidth()
-    read = {name: weight_bytes_per_token(model), LLAMACPP: gguf_weight_bytes(path)}
+    config = model.config
+    unread = 1 - config.n_experts_per_token / config.n_experts if config.n_experts else 0.0
+    read = {  # at batch 1 a mixture of experts reads n_experts_per_token of its experts per token
+        name: weight_bytes_per_token(model) - unread * expert_bytes(model),
+        LLAMACPP: gguf_weight_bytes(path) - unread * gguf_expert_bytes(path),
+    }
     result = {
         "tformer": name,
         "tformer_load_s": load_seconds,
@@ -265,6 +276,22 @@ def decode(args: argparse.Namespace) -> dict:
     result["load_after"] = load_report("after")
     print_decode(args.model, result)
     return result
+
+
+def expert_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every expert's weights (parameters and buffers under `ffn.experts`)."""
+    return sum(
+        t.numel() * t.element_size()
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if ".ffn.experts." in name
+    )
+
+
+def gguf_expert_bytes(path: Path) -> int:
+    """Bytes of the file's stacked expert tensors (`ffn_{gate,up,down}_exps`)."""
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if "_exps." in t.name)
 
 
 def print_decode(model: str, r: dict) -> None:
@@ -434,6 +461,27 @@ def print_memory(model: str, r: dict) -> None:
     print(r["load_after"])
 
 
+def profile_parts(args: argparse.Namespace) -> None:
+    """Where tformer's time goes: torch.profiler's top operators by self CPU time over 16 batch-1 decode steps
+    and over one prompt of --prompt-tokens tokens (printed, not stored)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    set_threads(args.threads)
+    path = files(args.dir, args.model)["q4_k_m"]
+    engine = load_engine(path, engine_config(kv_cache_bytes=kv_bytes(config_of(args.model), CONTEXT)), quantize="auto")
+    vocab = engine.model.config.vocab_size
+    engine.generate(random_prompt(vocab, 16, seed=1), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    for label, prompt, n in (
+        ("decode, 16 steps after a 16-token prompt", random_prompt(vocab, 16, seed=1), 17),
+        (f"a prompt of {args.prompt_tokens} tokens", random_prompt(vocab, args.prompt_tokens, seed=2), 1),
+    ):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        print(f"=== {args.model}: {label}")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
+    print(load_report("after"))
+
+
 def store(model: str, part: str, result: dict) -> None:
     """Adds one part's result to benchmarks/results/gguf_vs_llamacpp.json, with the machine and the time."""
     file = RESULTS / "gguf_vs_llamacpp.json"
@@ -507,7 +555,7 @@ def report(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["make", "decode", "serve", "memory", "memory-child", "report"])
+    parser.add_argument("part", choices=["make", "decode", "serve", "memory", "memory-child", "profile", "report"])
     parser.add_argument("--model", choices=list(MODELS), default="llama-1b")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/tformer_gguf_bench"), help="scratch files")
     parser.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads")
@@ -526,6 +574,8 @@ def main() -> None:
         memory_child(args)
     elif args.part == "report":
         report(args)
+    elif args.part == "profile":
+        profile_parts(args)
     else:
         result = {"decode": decode, "serve": serve, "memory": memory}[args.part](args)
         print(f"uptime: {uptime()}")
