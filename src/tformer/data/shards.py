@@ -411,7 +411,7 @@ def prepare_shards(
     try:
         last_save = time.monotonic()
         chunks = corpus.chunks(chunk_bytes, position, line)
-        for ids, lengths, position, line in _encoded(encoding, chunks, workers):  # noqa: B020 -- the chunks' ends
+        for ids, lengths, position, line in _encoded(encoding, chunks, workers):
             writer.append(ids, lengths)
             if writer.full():
                 writer.close_shard(position, line)
