@@ -306,7 +306,7 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
 
         peaks[copies] = (prepare_peak, peak_traced(read_all), corpus.stat().st_size, len(data.examples))
     (small_prepare, small_read, _, _), (large_prepare, large_read, large_size, blocks) = peaks[2], peaks[16]
-    assert blocks > 1000
+    assert blocks > 1000, peaks
     assert large_prepare < 1.5 * small_prepare + 50_000 and large_prepare < large_size / 4, peaks
     assert large_read < 1.5 * small_read + 10_000 and large_read < large_size / 20, peaks
 
