@@ -193,10 +193,13 @@ def compare(args: argparse.Namespace, out: Report) -> None:
         "tformer fp32, 2 batches at once": lambda: tformer_decoder(model, tokenizer, workers=2),
         "tformer fp32, Engine beams (server path)": lambda: engine_decoder(model, tokenizer),
         "tformer bf16 weights": lambda: tformer_decoder(Translator.load(args.run, "bfloat16").model, tokenizer),
-        "tformer int8 weights, bf16": lambda: tformer_decoder(
+        "tformer int8 weights, twice-rounded int8 activations": lambda: tformer_decoder(
             Translator.load(args.run, "auto", "int8").model, tokenizer
         ),
         "tformer w8a8, bf16": lambda: tformer_decoder(Translator.load(args.run, "auto", "w8a8").model, tokenizer),
+        "tformer w8a8, bf16, 2 batches at once": lambda: tformer_decoder(
+            Translator.load(args.run, "auto", "w8a8").model, tokenizer, workers=2
+        ),
         "tformer w8a8, fp32": lambda: tformer_decoder(Translator.load(args.run, "float32", "w8a8").model, tokenizer),
         "CTranslate2 float32": lambda: ctranslate2_decoder(ct2["float32"], tokenizer, max_len, rerank=False),
         "CTranslate2 float32, re-ranked": lambda: ctranslate2_decoder(ct2["float32"], tokenizer, max_len, rerank=True),

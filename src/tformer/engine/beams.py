@@ -2,7 +2,7 @@
 (`SourceBeams`); a decoder's K beams are K sequences that share KV blocks (`BeamGroup`).
 
 `SourceBeams` holds an encoder-decoder's beam requests until the engine's next step, then searches a batch of them
-(up to `BATCH` sources, in arrival order) with `decoding.search.beam_search`, the search
+(the oldest and up to `BATCH` - 1 of similar lengths) with `decoding.search.beam_search`, the search
 of `tformer translate` and `eval`: one encoder pass for the batch, cross-attention keys once per source, beams that
 continue their own cache row. The engine's paged path would run every beam as a sequence of its own, with its cross
 keys gathered every step, at a fraction of that speed; the results are the same hypotheses.
@@ -75,12 +75,15 @@ class SourceBeams:
         return bool(self.pending)
 
     def run(self) -> list[tuple[str, list[int], bool]]:
-        """Searches one batch of the waiting requests: the first `BATCH` in arrival order that share the first one's
-        search settings. Returns (request id, best hypothesis with </s> if it ended, whether it ended)."""
+        """Searches one batch of the waiting requests: the oldest, and up to `BATCH` - 1 others of its search settings
+        whose sources are closest to its length (less padding, as `translate_ids` sorts by length; the oldest is
+        always served, so none waits forever). Returns (request id, best hypothesis with </s> if it ended, whether
+        it ended)."""
         first = next(iter(self.pending.values()))
         key = (first.bos_id, first.eos_id, first.beam_width, first.alpha)
-        batch = [r for r in self.pending.values() if (r.bos_id, r.eos_id, r.beam_width, r.alpha) == key][:BATCH]
-        batch.sort(key=lambda r: len(r.source))  # less padding; each source's search is its own
+        alike = [r for r in self.pending.values() if (r.bos_id, r.eos_id, r.beam_width, r.alpha) == key]
+        batch = sorted(alike, key=lambda r: abs(len(r.source) - len(first.source)))[:BATCH]
+        batch.sort(key=lambda r: len(r.source))
         for request in batch:
             del self.pending[request.request_id]
         device = next(self.model.parameters()).device
