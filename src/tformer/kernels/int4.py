@@ -132,7 +132,7 @@ class Int4Linear(nn.Module):
         cls, chunks: Iterable[torch.Tensor], group_size: int = 32, bias: torch.Tensor | None = None
     ) -> Int4Linear:
         """A layer quantized from a float weight handed over as chunks of whole rows, each a multiple of 16 rows,
-        so that no float copy of the whole weight need exist (a GGUF file's 5-bit blocks, dequantized a few rows
+        so that no float copy of the whole weight need exist (a GGUF file's Q3_K blocks, say, dequantized a few rows
         at a time). Each chunk is quantized and packed exactly as the constructor does a whole weight."""
         packed = []
         for chunk in chunks:
