@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import cpu_flags, load_report, machine_info, set_threads  # noqa: E402
 from conftest import smollm2_path  # noqa: E402
 
+from tformer import ModelConfig, build_model  # noqa: E402
 from tformer.checkpoints import load_pretrained  # noqa: E402
 from tformer.data.corpora import bible_text  # noqa: E402
 from tformer.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -274,7 +275,7 @@ def alternate(engines: dict[str, callable], requests, rounds: int) -> dict[str, 
         for name in names if r % 2 == 0 else names[::-1]:
             results[name].append(run_workload(engines[name](), requests))
             res = results[name][-1]
-            print(f"round {r} {name}: {res['tok_s']:.1f} tok/s, mean latency {res['mean_latency_s']:.1f} s", flush=True)
+            print(f"round {r} {name}: {json.dumps(res)}", flush=True)  # a run killed later keeps what it measured
     return results
 
 
@@ -309,6 +310,9 @@ def paged(args) -> None:
     per_token = kv_bytes_per_token(model, "auto")
     budget = args.kv_mib << 20
     print(f"KV bytes per token {per_token}; budget {args.kv_mib} MiB = {budget // per_token} tokens")
+    if args.books_only:  # the same token slots and block books on a tiny random model: concurrency and empty slots
+        model = build_model(ModelConfig.from_preset("tiny-llama", vocab_size=model.config.vocab_size, max_seq_len=4096))
+        budget = budget // per_token * kv_bytes_per_token(model, "auto")
     base = dict(kv_cache_bytes=budget, max_seqs=args.requests, max_model_len=args.max_len, prefix_caching=False)
     engines = {
         "contiguous": lambda: Engine(model, tokenizer, EngineConfig(**base, block_size=args.max_len)),
@@ -322,7 +326,7 @@ def paged(args) -> None:
         )
     print(load_report("after"))
     save(
-        "paged",
+        "paged_books" if args.books_only else "paged",
         {
             "args": vars(args),
             "kv_bytes_per_token": per_token,
@@ -351,25 +355,26 @@ def plot(_args) -> None:
     ax.set(xlabel="token being generated", ylabel="ms per token", xscale="log", yscale="log")
     ax.set_title("KV cache: cost of one token")
     ax.legend(fontsize=8)
-    for ax, part, names in (
-        (axes[1], "batching", ("static", "continuous")),
-        (axes[2], "paged", ("contiguous", "paged")),
-    ):
-        med = data[part]["median"]
+    ax = axes[1]
+    if "batching" in data:
+        med, names = data["batching"]["median"], ("static", "continuous")
         bars = [med[n]["tok_s"] for n in names]
         ax.bar(names, bars, color=["tab:gray", "tab:blue"])
         for i, n in enumerate(names):
-            extra = (
-                f"mean latency {med[n]['mean_latency_s']:.0f} s"
-                if part == "batching"
-                else f"{med[n]['max_running']:.0f} running, {med[n]['empty_reserved_share']:.0%} empty"
-            )
-            ax.text(i, bars[i], f"{bars[i]:.0f} tok/s\n{extra}", ha="center", va="bottom", fontsize=8)
+            label = f"{bars[i]:.1f} tok/s\nmean latency {med[n]['mean_latency_s']:.0f} s"
+            ax.text(i, bars[i], label, ha="center", va="bottom", fontsize=8)
         ax.set(ylabel="output tokens/s", ylim=(0, 1.3 * max(bars)))
-    axes[1].set_title(
-        f"{data['batching']['args']['requests']} requests, {data['batching']['args']['max_seqs']} at once"
-    )
-    axes[2].set_title(f"same KV bytes ({data['paged']['args']['kv_mib']} MiB)")
+        args = data["batching"]["args"]
+        ax.set_title(f"{args['requests']} requests, {args['max_seqs']} at once")
+    books = data.get("paged") or data["paged_books"]  # concurrency and empty slots are the same in both
+    med, names, ax = books["median"], ("contiguous", "paged"), axes[2]
+    bars = [med[n]["max_running"] for n in names]
+    ax.bar(names, bars, color=["tab:gray", "tab:blue"])
+    for i, n in enumerate(names):
+        label = f"{bars[i]:.0f} at once\n{med[n]['empty_reserved_share']:.0%} of reserved slots empty"
+        ax.text(i, bars[i], label, ha="center", va="bottom", fontsize=8)
+    ax.set(ylabel="most requests running at once", ylim=(0, 1.3 * max(bars)))
+    ax.set_title(f"same KV bytes ({books['args']['kv_mib']} MiB), 32 requests")
     fig.tight_layout()
     fig.savefig(FIGURE, dpi=110)
     print(f"wrote {FIGURE}")
@@ -397,6 +402,11 @@ def main() -> None:
         else:
             p.add_argument("--kv-mib", type=int, default=360)
             p.add_argument("--max-len", type=int, default=2048)
+            p.add_argument(
+                "--books-only",
+                action="store_true",
+                help="a tiny random model in the same token slots: concurrency and empty slots, not the speed",
+            )
     sub.add_parser("plot")
     for p in sub.choices.values():
         p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
