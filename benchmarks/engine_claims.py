@@ -283,8 +283,16 @@ def medians(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
+def tiny_like(model):
+    """A tiny random decoder with `model`'s vocabulary: the scheduler's books (steps, concurrency, block slots) of a
+    workload without the big model's time."""
+    return build_model(ModelConfig.from_preset("tiny-llama", vocab_size=model.config.vocab_size, max_seq_len=4096))
+
+
 def batching(args) -> None:
     model, tokenizer = load_pretrained(smollm2_path())
+    if args.books_only:
+        model = tiny_like(model)
     requests = long_tailed_workload(tokenizer, args.requests, args.median_tokens, args.sigma, args.cap)
     outs = sorted(m for _, m in requests)
     print(f"output lengths: {outs} (total {sum(outs)})")
@@ -301,7 +309,8 @@ def batching(args) -> None:
         f"{s['mean_latency_s'] / c['mean_latency_s']:.2f}x"
     )
     print(load_report("after"))
-    save("batching", {"args": vars(args), "output_lengths": outs, "runs": results, "median": summary})
+    part = "batching_books" if args.books_only else "batching"
+    save(part, {"args": vars(args), "output_lengths": outs, "runs": results, "median": summary})
 
 
 def paged(args) -> None:
@@ -311,7 +320,7 @@ def paged(args) -> None:
     budget = args.kv_mib << 20
     print(f"KV bytes per token {per_token}; budget {args.kv_mib} MiB = {budget // per_token} tokens")
     if args.books_only:  # the same token slots and block books on a tiny random model: concurrency and empty slots
-        model = build_model(ModelConfig.from_preset("tiny-llama", vocab_size=model.config.vocab_size, max_seq_len=4096))
+        model = tiny_like(model)
         budget = budget // per_token * kv_bytes_per_token(model, "auto")
     base = dict(kv_cache_bytes=budget, max_seqs=args.requests, max_model_len=args.max_len, prefix_caching=False)
     engines = {
@@ -397,16 +406,17 @@ def main() -> None:
         p.add_argument("--sigma", type=float, default=1.0)
         p.add_argument("--cap", type=int, default=512)
         p.add_argument("--rounds", type=int, default=2)
+        p.add_argument(
+            "--books-only",
+            action="store_true",
+            help="a tiny random model with the same scheduler settings: steps, concurrency, empty slots; not the speed",
+        )
         if name == "batching":
             p.add_argument("--max-seqs", type=int, default=8)
         else:
             p.add_argument("--kv-mib", type=int, default=360)
             p.add_argument("--max-len", type=int, default=2048)
-            p.add_argument(
-                "--books-only",
-                action="store_true",
-                help="a tiny random model in the same token slots: concurrency and empty slots, not the speed",
-            )
+
     sub.add_parser("plot")
     for p in sub.choices.values():
         p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
