@@ -69,7 +69,7 @@ def test_q4_k_file_serves_as_int4_by_default_close_to_its_float_model(hf_model, 
     margin = 2 * 2.0 ** (math.floor(math.log2(largest)) - 7)  # test_quantize's: two bf16 steps at the largest logit
     for result, prompt in zip(results, PROMPTS, strict=True):
         assert len(result.token_ids) == 8 and greedy_within_rounding(served, prompt, result.token_ids, margin)
-    # against the dequantized float model: INT4 requantizes each Q4_K sub-block's grid onto groups of its own
+    # against the dequantized float model: INT4 takes each Q4_K sub-block as stored, its scale and minimum in fp16
     reference = from_gguf(path)
     ids = torch.tensor([PROMPTS[2]])
     with torch.no_grad():

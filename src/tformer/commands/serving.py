@@ -56,7 +56,7 @@ def generate(
     chat: wrap each prompt as a user message with the tokenizer's chat template, when it has one
     quantize: int8 or int4 (integer weights; activations rounded finely, in two int8 steps) or w8a8 (weights and
       activations in one int8 step, x86) for the linear layers; none for float weights; auto (the default) serves
-      a quantized .gguf file as stored, as llama.cpp does (4- and 5-bit types as int4, 6- and 8-bit as int8), and
+      a quantized .gguf file as stored, as llama.cpp does (2- to 4-bit types as int4, 5- to 8-bit as int8), and
       every other model in floats
     dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
     compile: run decode steps through torch.compile: the first run spends a few minutes compiling (SmolLM2 INT4 on
@@ -203,7 +203,7 @@ def serve(
     model_name: the model id clients send and /v1/models lists (default: the file or directory name)
     quantize: int8 or int4 (integer weights; activations rounded finely, in two int8 steps) or w8a8 (weights and
       activations in one int8 step, x86) for the linear layers; none for float weights; auto (the default) serves
-      a quantized .gguf file as stored, as llama.cpp does (4- and 5-bit types as int4, 6- and 8-bit as int8), and
+      a quantized .gguf file as stored, as llama.cpp does (2- to 4-bit types as int4, 5- to 8-bit as int8), and
       every other model in floats
     dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
     max_model_len: the context a request may fill, prompt and output (default 0: the model's)
