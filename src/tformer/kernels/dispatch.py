@@ -90,7 +90,7 @@ def _check_cuda(device: torch.device) -> None:
     if torch.version.cuda is None and torch.version.hip is None:
         raise ConfigError(
             f"device {str(device)!r} is unavailable: this torch ({torch.__version__}) is built without CUDA; install "
-            "a CUDA build of torch (the wheel for your CUDA version from pytorch.org's index), or give --device cpu"
+            "a CUDA build of torch (the wheel built for your CUDA version), or give --device cpu"
         )
     if not torch.cuda.is_available():
         raise ConfigError(
