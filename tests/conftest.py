@@ -73,6 +73,22 @@ def seq2seq_max_difference(ours: TransformerModel, theirs: Any) -> float:
     return (mine[real] - out.logits[real]).abs().max().item()
 
 
+@torch.no_grad()
+def uncached_greedy(model: Any, sources: list[list[int]], bos: int, eos: int, max_extra: int) -> list[list[int]]:
+    """An encoder-decoder's arg-max decoding one unpadded sentence at a time, recomputing the whole forward at every
+    step: the reference the models without attention caches (LSTM, ConvS2S) check their greedy search against."""
+    results = []
+    for source in sources:
+        src, prefix = torch.tensor([[*source, eos]]), [bos]
+        for _ in range(len(source) + 1 + max_extra):
+            token = model(src, torch.tensor([prefix])).argmax(-1)[0, -1].item()
+            if token == eos:
+                break
+            prefix.append(token)
+        results.append(prefix[1:])
+    return results
+
+
 def logits(
     model: TransformerModel,
     ids: torch.Tensor,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_model, tokens
+from conftest import make_model, tokens, uncached_greedy
 from helpers import trainer, write_recipe
 
 from tformer import ModelConfig, build_model, load
@@ -188,26 +188,11 @@ def test_incremental_decoding_equals_the_teacher_forced_forward() -> None:
         model(src, tokens(3, 33, model.config.vocab_size), src_mask)
 
 
-@torch.no_grad()
-def reference_greedy(model: ConvS2S, sources: list[list[int]], eos: int, max_extra: int) -> list[list[int]]:
-    """Arg-max decoding one unpadded sentence at a time, recomputing the whole forward at every step."""
-    results = []
-    for source in sources:
-        src, prefix = torch.tensor([[*source, eos]]), [BOS]
-        for _ in range(len(source) + 1 + max_extra):
-            token = model(src, torch.tensor([prefix])).argmax(-1)[0, -1].item()
-            if token == eos:
-                break
-            prefix.append(token)
-        results.append(prefix[1:])
-    return results
-
-
 def test_greedy_translation_equals_an_uncached_argmax_loop() -> None:
     model = conv_model(vocab_size=12, seed=1)
     sources = [[5, 7, 3, 9], [4], [8, 8, 6], [11, 3, 5, 7, 10, 6]]
-    eos = reference_greedy(model, sources[:1], EOS, max_extra=4)[0][2]  # a token row 0 picks: rows end early
-    expected = reference_greedy(model, sources, eos, max_extra=4)
+    eos = uncached_greedy(model, sources[:1], BOS, EOS, max_extra=4)[0][2]  # a token row 0 picks: rows end early
+    expected = uncached_greedy(model, sources, BOS, eos, max_extra=4)
     assert any(len(hyp) < len(src) + 5 for hyp, src in zip(expected, sources, strict=True)), "some stop on </s>"
     assert translate_ids(model, sources, BOS, eos, PAD, beam_size=1, extra_len=4) == expected
     src, src_mask = padded_sources([4, 2], 12)
