@@ -73,6 +73,21 @@ def seq2seq_max_difference(ours: TransformerModel, theirs: Any) -> float:
     return (mine[real] - out.logits[real]).abs().max().item()
 
 
+def train_next_token(model: torch.nn.Module, ids: torch.Tensor, steps: int, lr: float = 3e-3) -> list[float]:
+    """`steps` AdamW steps of next-token prediction on `ids` (B, T) in train mode; the loss of each step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 @torch.no_grad()
 def uncached_greedy(model: Any, sources: list[list[int]], bos: int, eos: int, max_extra: int) -> list[list[int]]:
     """An encoder-decoder's arg-max decoding one unpadded sentence at a time, recomputing the whole forward at every

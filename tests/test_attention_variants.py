@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_model, tiny_config, tokens
+from conftest import make_model, tiny_config, tokens, train_next_token
 from helpers import prompts_of_mixed_lengths, reference_greedy
 
 from tformer.engine.engine import Engine, EngineConfig
@@ -220,15 +220,7 @@ def test_strided_pattern_hides_keys_outside_it() -> None:
 def test_tiny_model_trains(attention: str) -> None:
     model = make_model(variant_config(attention)).train()
     ids = tokens(4, 24, model.config.vocab_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(25):
-        logits = model(ids[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train_next_token(model, ids, steps=25)
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < 0.6 * losses[0], losses
 

@@ -18,6 +18,7 @@ import shlex
 import numpy as np
 import pytest
 import torch
+from conftest import train_next_token
 
 llama_cpp = pytest.importorskip(
     "llama_cpp",
@@ -40,14 +41,7 @@ F16_BOUND, Q8_0_BOUND, Q4_0_BOUND = 0.01, 0.06, 0.15
 
 def _train(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> torch.nn.Module:
     """A few hundred AdamW steps of next-token prediction on one text: confident, well-separated greedy choices."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(steps):
-        logits = model(ids[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    train_next_token(model, ids, steps)
     return model.eval()
 
 

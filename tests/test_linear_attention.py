@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_model, tiny_config, tokens
+from conftest import make_model, tiny_config, tokens, train_next_token
 from helpers import prompts_of_mixed_lengths, reference_greedy
 
 import tformer
@@ -232,15 +232,7 @@ def test_performer_with_alibi_or_a_sliding_window_is_a_config_error() -> None:
 def test_performer_decoder_lm_trains() -> None:
     model = make_model(performer_config()).train()
     ids = tokens(4, 24, model.config.vocab_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(25):
-        logits = model(ids[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train_next_token(model, ids, steps=25)
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < 0.5 * losses[0], losses
 
