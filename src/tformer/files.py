@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,18 @@ def fsync_tree(root: Path) -> None:
         for name in names:
             fsync(Path(directory) / name)
         fsync(Path(directory))
+
+
+def replace_directory(work: Path, final: Path) -> None:
+    """Gives the finished directory `work` the name `final`, durably: a directory already named `final` is renamed
+    aside first and deleted only once `work` has taken its place, so a crash leaves one of the two whole."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(work, final)
+    fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def cache_dir(name: str) -> Path:

@@ -39,7 +39,7 @@ import numpy as np
 from tformer.data.readers import BOM, DataError, decode_line, normalize_text, parse_jsonl_line, parse_tsv_line
 from tformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from tformer.data.tokenizer import Tokenizer
-from tformer.files import fsync, fsync_tree, read_mapping, write_text_atomically
+from tformer.files import fsync_tree, read_mapping, replace_directory, write_text_atomically
 
 FORMAT, VERSION = "tformer-shards", 1
 MANIFEST_NAME = "manifest.json"
@@ -490,13 +490,7 @@ def _finish(work: Path, out_dir: Path, progress: dict[str, Any]) -> dict[str, An
     (work / PROGRESS_NAME).unlink()
     write_text_atomically(work / MANIFEST_NAME, json.dumps(manifest, indent=1))
     fsync_tree(work)
-    old = out_dir.with_name(out_dir.name + ".old")
-    if out_dir.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-    os.replace(work, out_dir)
-    fsync(out_dir.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_directory(work, out_dir)
     return manifest
 
 

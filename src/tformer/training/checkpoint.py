@@ -55,7 +55,7 @@ from tformer.checkpoints import (
 from tformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from tformer.data.tokenizer import Tokenizer
 from tformer.errors import ConfigError
-from tformer.files import fsync, fsync_tree, read_mapping, write_text_atomically
+from tformer.files import fsync, fsync_tree, read_mapping, replace_directory, write_text_atomically
 from tformer.models import CheckpointError, TransformerModel, load
 from tformer.training.config import recipe_changes
 from tformer.training.lora import save_weights
@@ -103,13 +103,7 @@ def commit_checkpoint(tmp: Path) -> Path:
     }
     record = {"step": int(final.name.removeprefix("step-")), "files": sizes}
     write_text_atomically(tmp / COMPLETE_FILE, json.dumps(record, indent=1) + "\n")
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_directory(tmp, final)
     return final
 
 
