@@ -11,6 +11,7 @@ from tformer.engine.sampling import (
     SamplingParams,
     filter_logits,
     greedy_tokens,
+    kept_tokens,
     sample_index,
     sample_token,
     sampling_probs,
@@ -109,3 +110,9 @@ def test_sample_token_draws_from_sampling_probs(params):
     kept = expected > 0
     quantile_999 = {1: 10.8, 2: 13.8, 3: 16.3, 4: 18.5, 5: 20.5, 6: 22.5, 7: 24.3, 8: 26.1, 9: 27.9, 10: 29.6, 11: 31.3}
     assert int(kept.sum()) > 1 and chi_square(counts[kept].float(), expected[kept]) < quantile_999[int(kept.sum()) - 1]
+
+
+def test_a_top_p_too_small_for_float32_keeps_the_likeliest_token() -> None:
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.0])
+    for top_p in (1e-300, 1e-50, 0.0):  # each rounds to 0.0 in float32, as the probabilities are
+        assert kept_tokens(logits, 0, top_p).tolist() == [1]

@@ -191,7 +191,8 @@ def kept_tokens(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor 
             k = k * 8 if k * 8 <= size // 16 else size  # a large partial sort costs as much as sorting all
             best = torch.topk(probs, k)
         before = best.values.cumsum(-1) - best.values  # the mass of the likelier tokens before each
-        nucleus = best.indices[: int((before < top_p).sum())]
+        # at least the likeliest: a top_p below float32's smallest number compares as 0 with the first's 0 before
+        nucleus = best.indices[: max(1, int((before < top_p).sum()))]
         kept = nucleus if kept is None else kept[nucleus]
     return kept
 
