@@ -29,7 +29,7 @@ from tformer.engine.loading import load_quantized, stored_layer
 from tformer.interop.gguf import GGUFError, StoredLinear, from_gguf, open_gguf, stored_linears
 from tformer.kernels import int4
 from tformer.kernels.int4 import Int4Linear
-from tformer.kernels.quantize import Int8Linear, set_precision
+from tformer.kernels.quantize import Int8Linear, RowsEmbedding, set_precision
 
 pytestmark = pytest.mark.skipif(int4.kernel() is None, reason="no C++ compiler to build the INT4 kernel with")
 
@@ -259,3 +259,28 @@ def test_a_file_loads_each_layer_in_its_own_types_kernel_with_its_bias(mixed_fil
         for served in (set_precision(model, "float32", "int4"), set_precision(every_int8, "float32", "int8")):
             error = (served(ids) - expected).abs().max() / expected.abs().max()
             assert error < 0.05, error  # every layer int8, or 4-bit groups; a wrong or unpermuted layer is O(1)
+
+
+def test_int8_from_chunks_of_16_rows_packs_as_the_whole_weight_and_refuses_ragged_chunks() -> None:
+    weight, reference = stored(Q.Q6_K)
+    chunked = Int8Linear.from_chunks(weight.chunks(values=16 * IN))  # 4 chunks of 16 rows, packed one by one
+    whole = Int8Linear(float_layer(reference))
+    assert torch.equal(chunked.packed, whole.packed) and torch.equal(chunked.scales, whole.scales)
+    with pytest.raises(ConfigError, match="each but the last a multiple of 16 rows"):
+        Int8Linear.from_chunks([reference[:24], reference[24:]])
+
+
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_a_tied_embedding_is_one_int8_table_built_from_its_blocks(mixed_file: Path, quantize: str) -> None:
+    """The tied head is built from token_embd's blocks as `quantize` builds it from the float load, and the
+    embedding looks its rows up in it: no float copy of the table is left."""
+    reference = from_gguf(mixed_file)
+    model, _ = load_quantized(mixed_file, quantize, as_stored=True)
+    head, table = model.lm_head, model.decoder.tokens
+    assert isinstance(head, Int8Linear) and isinstance(table, RowsEmbedding) and table.head is head
+    expected = Int8Linear(float_layer(reference.lm_head.weight.detach()))
+    assert torch.equal(head.packed, expected.packed) and torch.equal(head.scales, expected.scales)
+    ids = torch.tensor([[5, 17, 3, 95, 0]])
+    assert torch.equal(table(ids), expected.dequantized()[ids])
+    vocab_floats = reference.decoder.tokens.weight.numel()
+    assert all(t.numel() < vocab_floats for t in [*model.parameters(), *model.buffers()] if t.is_floating_point())

@@ -10,7 +10,7 @@ from conftest import make_model, tiny_config
 from helpers import greedy_within_rounding, reference_greedy
 from torch import nn
 
-from tformer.kernels.quantize import Int4Linear, Int8Linear, W8A8Linear, model_bytes, quantize
+from tformer.kernels.quantize import Int4Linear, Int8Linear, RowsEmbedding, W8A8Linear, model_bytes, quantize
 
 QUANTIZED = (Int8Linear, Int4Linear, W8A8Linear)
 
@@ -226,3 +226,43 @@ def test_a_quantized_model_is_not_saved_as_a_checkpoint(mode: str, tmp_path) -> 
     with pytest.raises(CheckpointError, match=r"quantized model \(int8, int4, w8a8\) cannot be saved"):
         model.save(tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_int8_rows_are_the_dequantized_rows_for_any_shape() -> None:
+    """`rows` reads rows out of the packed bytes (16-row tiles, 4-column groups, padded at the edges)."""
+    layer = Int8Linear(nn.Linear(37, 40))  # neither dimension a multiple of the tile
+    ids = torch.tensor([[0, 39, 16], [15, 17, 39]])
+    assert torch.equal(layer.rows(ids), layer.dequantized()[ids])
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_a_tied_embedding_looks_its_rows_up_in_the_int8_head(mode: str) -> None:
+    """One copy of a tied table: the embedding reads the head's INT8 rows. The model computes exactly what it
+    computes with a float table holding those rows, and stays within the INT8 rounding of the float table's
+    logits (each row within half a step of max |row| / 127: measured 4e-3 of the largest logit here)."""
+    shape = {"d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "vocab_size": 96}
+    model = make_model(tiny_config("tiny-llama", tie_embeddings=True, **shape))
+    assert model.lm_head.weight is model.decoder.tokens.weight
+    table = model.decoder.tokens.weight.detach().clone()
+    ids = torch.tensor([[5, 17, 3, 60, 42, 8, 91, 33]])
+    with torch.no_grad():
+        quantize(model, mode)
+        assert isinstance(model.decoder.tokens, RowsEmbedding) and isinstance(model.lm_head, Int8Linear)
+        assert not any(t is not None and t.numel() == table.numel() for t in model.parameters())
+        head = model.lm_head
+        assert torch.equal(model.decoder.tokens(ids), head.dequantized()[ids])
+        ours = model(ids)
+        model.decoder.tokens = nn.Embedding.from_pretrained(head.dequantized())  # the same rows, as floats
+        assert torch.equal(model(ids), ours)
+        model.decoder.tokens = nn.Embedding.from_pretrained(table)  # the float table: the model before
+        before = model(ids)
+    error = (ours - before).abs().max() / before.abs().max()
+    assert 0 < error < 2e-2, error
+
+
+def test_an_untied_embedding_stays_in_floats() -> None:
+    config = tiny_config("tiny-llama", d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=96)
+    model = make_model(config)
+    table = model.decoder.tokens.weight
+    quantize(model, "int4")
+    assert type(model.decoder.tokens) is nn.Embedding and model.decoder.tokens.weight is table

@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 
 import torch
 
@@ -22,6 +24,7 @@ from tformer.interop.gguf import (
     open_gguf,
     stored_linears,
     stored_precision,
+    stored_tied_embedding,
 )
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.kernels.dispatch import resolve_device
@@ -34,6 +37,7 @@ from tformer.kernels.quantize import (
     check_precision,
     resolve_dtype,
     set_precision,
+    tie_quantized_embeddings,
 )
 from tformer.models import TransformerModel
 from tformer.models.families import EncoderMLM
@@ -81,7 +85,24 @@ def load_engine(
     if draft_path is not None:
         draft, _ = load_quantized(draft_path, draft_quantize, dtype, draft_as_stored)
         set_precision(draft, dtype, draft_quantize).to(device)
+    release_freed_memory()
     return Engine(model, tokenizer, engine_config, draft=draft)
+
+
+def release_freed_memory() -> None:
+    """Hands the memory freed by the load back to the system (glibc's `malloc_trim`; nothing elsewhere).
+
+    Building the kernels' layouts frees many temporaries of a few MB each, which glibc keeps in its heap,
+    fragmented, after the first large free raises its threshold for serving them from fresh mappings: half a GB
+    of resident memory for a Llama-3.2-1B Q4_K_M file (benchmarks/README.md, "GGUF memory")."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):  # another C library (musl): it has no malloc_trim
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
 
 
 def stored_quantization(path: str | os.PathLike[str] | None, quantize: str | None) -> str | None:
@@ -109,12 +130,18 @@ def load_quantized(
         return load_pretrained(path)
     reader = open_gguf(path)
     stored = stored_linears(reader)
-    model = from_gguf(path, reader, leave_out=stored.keys())
+    embedding = stored_tied_embedding(reader)
+    tied = [embedding[0], "lm_head.weight"] if embedding else []
+    model = from_gguf(path, reader, leave_out=[*stored, *tied])
     for name, weight in stored.items():
         parent, _, child = name.removesuffix(".weight").rpartition(".")
         module = model.get_submodule(parent)
         kind = STORED_PRECISION.get(weight.kind, quantize) if as_stored else quantize
         setattr(module, child, stored_layer(weight, kind, getattr(module, child).bias))
+    if embedding is not None:  # the head INT8 as `quantize` makes it, and the embedding's rows read from it
+        table = model.get_submodule(embedding[0].removesuffix(".weight"))
+        model.lm_head = Int8Linear.from_chunks(embedding[1].chunks(), bias=model.lm_head.bias)
+        tie_quantized_embeddings(model, {id(table.weight): model.lm_head})
     return model, tokenizer_from_gguf(path, reader)
 
 

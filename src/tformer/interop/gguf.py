@@ -472,6 +472,28 @@ def stored_linears(reader: GGUFFile) -> dict[str, StoredLinear]:
     return stored
 
 
+def stored_tied_embedding(reader: GGUFFile) -> tuple[str, StoredLinear] | None:
+    """(tformer parameter name, blocks) of the token embedding where the file ties the output head to it and
+    takes it as stored (no transform), else None: an INT8 head can then be built from its blocks a few rows at
+    a time, and serve the embedding's lookups too (`quantize.RowsEmbedding`), with no float copy of the table."""
+    arch, hf_config = hf_config_from_gguf(reader, reader.path)
+    if not hf_config["tie_word_embeddings"]:
+        return None
+    family = hf_family(arch, reader.path)
+    table = _table(family, _model_config(family, hf_config, reader.path))
+    weights = GGUFTensors(reader, arch, hf_config, torch.float32)
+    for hf_name, entry in table.items():
+        if isinstance(entry, str) and weights.gguf_name.get(hf_name) == "token_embd.weight":
+            tensor, transform = weights.sources[hf_name]
+            if transform is not None or len(tensor.shape) != 2 or tensor.tensor_type not in SUPPORTED_TYPES:
+                return None
+            out_f, in_f = tensor.torch_shape
+            return entry, StoredLinear(
+                tensor.name, tensor.tensor_type, reader.raw(tensor).view(out_f, -1), (out_f, in_f)
+            )
+    return None
+
+
 def stored_precision(reader: GGUFFile) -> str | None:
     """'int4' or 'int8', the serving format nearest to how the file stores most of its layers' weights (by
     count of values: a Q4_K_M file keeps some tensors in Q6_K), or None for a float file: llama.cpp's

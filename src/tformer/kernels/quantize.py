@@ -24,7 +24,7 @@ from tformer.kernels.elementwise import use_fused_elementwise
 from tformer.kernels.fp8 import Fp8Linear
 from tformer.kernels.fusion import concat_bias, fuse_projections
 from tformer.kernels.int4 import Int4Linear
-from tformer.kernels.w8a8 import W8A8Linear, quantize_rows
+from tformer.kernels.w8a8 import TILE, W8A8Linear, pack, quantize_rows
 
 QUANT_MODES = ("int8", "int4", "w8a8", "fp8")
 
@@ -40,11 +40,27 @@ class Int8Linear(W8A8Linear):
     def from_chunks(cls, chunks: Iterable[torch.Tensor], bias: torch.Tensor | None = None) -> Int8Linear:
         """A layer quantized from a float weight handed over as chunks of whole rows, so that no float copy of the
         whole weight need exist (a GGUF file's blocks, dequantized a few rows at a time); the scales are per row,
-        so the numbers are those of the constructor on the whole weight."""
-        parts = [quantize_rows(chunk.float()) for chunk in chunks]
-        if not parts or len({q.shape[1] for q, _ in parts}) != 1:
+        so the numbers are those of the constructor on the whole weight. Chunks of a multiple of 16 rows (but the
+        last) are packed as they come, so that not even an int8 copy of the whole weight is made on the way (a
+        tied head of 128,256 rows: 0.26 GB each)."""
+        packed, scales, width = [], [], None
+        for chunk in chunks:
+            if width not in (None, chunk.shape[1]) or (packed and packed[-1].shape[0] * TILE != len(scales[-1])):
+                raise ConfigError(
+                    "Int8Linear.from_chunks needs chunks of whole rows, all in_features wide, each but the last "
+                    f"a multiple of {TILE} rows"
+                )
+            width = chunk.shape[1]
+            q, s = quantize_rows(chunk.float())
+            packed.append(pack(q))
+            scales.append(s)
+        if not packed:
             raise ConfigError("Int8Linear.from_chunks needs one or more chunks of rows, all in_features wide")
-        return cls._held(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), bias)
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.fine = True
+        layer._hold_packed(torch.cat(packed) if len(packed) > 1 else packed[0], torch.cat(scales), width, bias)
+        return layer
 
     @classmethod
     def concatenated(cls, parts: list[Int8Linear]) -> Int8Linear:
@@ -63,6 +79,33 @@ class Int8Linear(W8A8Linear):
         return layer
 
 
+class RowsEmbedding(nn.Module):
+    """A token embedding that looks its rows up in an INT8 layer's weights (the output head it is tied to), so
+    one copy of the table serves both: each gathered row dequantized (`W8A8Linear.rows`), in the model's dtype.
+
+    The layer is held by reference, not as a submodule, so that it is moved, cast and counted once, as the head.
+    `weight` is an empty (0, d) tensor in the model's float dtype: what the stack and the engine read a table's
+    dtype and device from."""
+
+    def __init__(self, head: W8A8Linear) -> None:
+        super().__init__()
+        self.__dict__["head"] = head
+        self.register_buffer("weight", torch.empty(0, head.in_features))
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.rows(ids).to(self.weight.dtype)
+
+
+def tie_quantized_embeddings(model: nn.Module, heads: dict[int, W8A8Linear]) -> None:
+    """Replaces each nn.Embedding whose weight is a key of `heads` (the id of a tied head's float weight) by a
+    `RowsEmbedding` over that head's INT8 rows, and drops the float table with it."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Embedding) and id(child.weight) in heads:
+                setattr(module, name, RowsEmbedding(heads[id(child.weight)]))
+
+
 def _check_mode(mode: str) -> None:
     if mode not in QUANT_MODES:
         raise ConfigError(f"unknown quantization mode {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
@@ -71,25 +114,34 @@ def _check_mode(mode: str) -> None:
 def quantize(model: nn.Module, mode: str = "int8", group_size: int = 32) -> nn.Module:
     """Replaces every nn.Linear of `model` in place (the output head too); returns the model.
 
-    Embedding tables stay in floating point. A layer whose shape INT4's kernel cannot take stays as it is.
+    Embedding tables stay in floating point, but for one tied to an output head that becomes INT8: it then looks
+    its rows up in the head's INT8 weights (`RowsEmbedding`), which drops the float copy (a third of a
+    Llama-3.2-1B Q4_K_M model's bytes). A layer whose shape INT4's kernel cannot take stays as it is.
     With INT4 the output head (`lm_head`) gets INT8 weights (`Int8Linear`), as llama.cpp's 4-bit files keep their
     output matrix at 8 bits or more: faster than torch's weight-only INT8 kernel at the same perplexity, which an
     INT4 head or groups of 64 raise; the GGUF's Q4_1 blocks hold 32 weights (docs/design-notes.md,
     "kernels/quantize.py").
     """
     _check_mode(mode)
+    int8_heads: dict[int, W8A8Linear] = {}  # id of a float weight -> the INT8 layer made of it
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is not nn.Linear:
                 continue
             if mode == "w8a8":
-                setattr(module, child_name, W8A8Linear(child))
+                layer = W8A8Linear(child)
             elif mode == "fp8":
-                setattr(module, child_name, Fp8Linear(child))
+                layer = Fp8Linear(child)
             elif mode == "int8" or (module is model and child_name == "lm_head"):
-                setattr(module, child_name, Int8Linear(child))
+                layer = Int8Linear(child)
             elif child.in_features % group_size == 0 and child.out_features % 16 == 0:
-                setattr(module, child_name, Int4Linear(child, group_size))
+                layer = Int4Linear(child, group_size)
+            else:
+                continue
+            setattr(module, child_name, layer)
+            if isinstance(layer, Int8Linear):
+                int8_heads[id(child.weight)] = layer
+    tie_quantized_embeddings(model, int8_heads)
     return model
 
 

@@ -129,12 +129,25 @@ class W8A8Linear(nn.Module):
 
     def _hold(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Keeps int8 weights q (N, K) with their float scales (N,), packed."""
-        self.out_features, self.in_features = q.shape
+        self._hold_packed(pack(q), scales, q.shape[1], bias)
+
+    def _hold_packed(self, packed: torch.Tensor, scales: torch.Tensor, in_features: int, bias: torch.Tensor | None):
+        """Keeps weights already packed (`pack`) with the float scales (N,) of their N rows."""
+        self.out_features, self.in_features = scales.shape[0], in_features
         padded_scales = torch.zeros(-(-self.out_features // TILE) * TILE)
         padded_scales[: self.out_features] = scales
-        self.register_buffer("packed", pack(q))
+        self.register_buffer("packed", packed)
         self.register_buffer("scale_bits", padded_scales.view(torch.int32))  # bits: `.to(bfloat16)` leaves them
         self.bias = bias
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 weight rows `ids` (any shape; the result is ids.shape + (in_features,)), read from the
+        packed bytes: exactly `dequantized()[ids]` without dequantizing the rest (a tied embedding's lookup)."""
+        tiles, quads, _ = self.packed.shape
+        flat = ids.reshape(-1)
+        grouped = self.packed.view(tiles, quads, TILE, 4)[flat // TILE, :, flat % TILE]  # (n, quads, 4)
+        q = grouped.reshape(flat.shape[0], quads * 4)[:, : self.in_features].to(torch.int16) - 128
+        return (q.float() * self.scales[flat, None]).reshape(*ids.shape, self.in_features)
 
     @property
     def scales(self) -> torch.Tensor:
