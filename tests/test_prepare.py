@@ -23,11 +23,13 @@ from helpers import steps
 from tformer.checkpoints import checkpoint_dir
 from tformer.cli import main
 from tformer.data import Tokenizer, bible_pairs, bible_text
-from tformer.data.readers import DataError, read_parallel, read_text
+from tformer.data.readers import DataError, decode_line, normalize_text, parse_tsv_line, read_parallel, read_text
 from tformer.data.shards import (
     MANIFEST_NAME,
+    Chunk,
     CorpusFile,
     ShardedCorpus,
+    parse_chunk,
     partial_dir,
     prepare_shards,
     token_dtype,
@@ -163,6 +165,41 @@ def test_parquet_is_read_in_row_batches(kind: str, tmp_path: Path) -> None:
         assert tokenizer.decode_batch([d[1:-1] for d in docs]) == LINES
     else:
         assert [tuple(tokenizer.decode_batch(docs[i : i + 2])) for i in range(0, len(docs), 2)] == PAIRS
+
+
+@pytest.mark.parametrize("kind", ["text", "pairs"])
+def test_a_chunk_is_cleaned_as_the_readers_clean_each_line(kind: str, tmp_path: Path) -> None:
+    # parse_chunk normalises a whole chunk at once; the reference is the readers' functions line by line, on lines
+    # full of what NFC composes (e, a combining acute; Hangul jamo), whitespace runs of every kind and line breaks
+    pieces = ["e", "\u0301", "A\u030a", "\u1100", "\u1161", "\u11a8", "word", " ", "  ", "\t", "\x0b", "\x0c",
+              "\x85", "\u2028", "\u00a0", "\u2000", "\u3000", "\r\n", "\r", "\n"]  # fmt: skip
+    rng = np.random.default_rng(0)
+    lines = ["".join(rng.choice(pieces, rng.integers(1, 12))) for _ in range(3000)]
+    if kind == "pairs":  # one tab a line, so that most lines are pairs
+        lines = [line.replace("\t", " ") + "\t" + line[::-1].replace("\t", "") for line in lines]
+    data = "\n".join(lines).encode()
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(data)
+    expected = []
+    for number, raw in enumerate(data.splitlines(), start=1):
+        line = decode_line(raw, path, number)
+        try:
+            cleaned = normalize_text(line) if kind == "text" else parse_tsv_line(line, path, number)
+        except DataError as err:
+            cleaned = str(err)  # a line with no tab or two: the same error, with its number
+        if cleaned:
+            expected.append(cleaned)
+    got = []
+    corpus = CorpusFile.of(path, kind)
+    for number, raw in enumerate(data.splitlines(keepends=True), start=1):  # one chunk a line, to see the errors
+        try:
+            got += parse_chunk(corpus, Chunk(raw, number, 0, 0))
+        except DataError as err:
+            got.append(str(err))
+    assert got == expected
+    assert len([e for e in expected if kind == "text" or isinstance(e, tuple)]) > 1000  # not all errors
+    whole = parse_chunk(corpus, Chunk(data, 1, 0, 0)) if kind == "text" else None
+    assert whole is None or whole == expected
 
 
 def test_token_ids_take_two_bytes_while_the_vocabulary_fits() -> None:

@@ -26,8 +26,10 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import time
+import unicodedata
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -209,6 +211,10 @@ def parse_chunk(corpus: CorpusFile, chunk: Chunk) -> list:
     assert isinstance(data, bytes)
     if chunk.first_line == 1 and data.startswith(BOM):
         data = data[len(BOM) :]
+    if corpus.format in ("text", "tsv") and (lines := _clean_lines(data, corpus.format)) is not None:
+        if corpus.format == "text":
+            return [line for line in lines if line]
+        return _tsv_pairs(lines, corpus.path, chunk.first_line)
     out: list = []
     for number, raw in enumerate(data.splitlines(), start=chunk.first_line):
         line = decode_line(raw, corpus.path, number)
@@ -220,6 +226,43 @@ def parse_chunk(corpus: CorpusFile, chunk: Chunk) -> list:
                 out.append(pair)
         elif (fields := parse_jsonl_line(line, corpus.path, number, corpus.keys)) is not None and all(fields):
             out.append(fields[0] if corpus.kind == "text" else fields)
+    return out
+
+
+# Whitespace that normalize_text would change, within a line (and, in TSV, within a side): a run of two or more, or
+# one that is not a space. Matching only these leaves the many single spaces of ordinary text alone.
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")  # where bytes.splitlines cuts, so that line numbers agree
+_TO_COLLAPSE = {
+    "text": re.compile(r"[^\S\r\n]{2,}|[^\S \r\n]"),
+    "tsv": re.compile(r"[^\S\t\r\n]{2,}|[^\S \t\r\n]"),
+}
+
+
+def _clean_lines(data: bytes, fmt: str) -> list[str] | None:
+    """The chunk's lines as normalize_text leaves them (in TSV, each side), normalised on the whole chunk at once
+    rather than line by line: the same strings, a fraction of the Python calls (NFC never composes across a line
+    break or a tab, so normalising the whole equals normalising the pieces). None when the chunk is not UTF-8: the
+    line-by-line path then names the line."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    text = _TO_COLLAPSE[fmt].sub(" ", unicodedata.normalize("NFC", text))
+    lines = _LINE_BREAK.split(text) if "\r" in text else text.split("\n")
+    return [line.strip() for line in lines] if fmt == "text" else lines
+
+
+def _tsv_pairs(lines: list[str], path: Path, first_line: int) -> list[tuple[str, str]]:
+    """parse_tsv_line's pairs of lines already normalised by _clean_lines."""
+    out = []
+    for number, line in enumerate(lines, start=first_line):
+        if line.count("\t") != 1:
+            if line.strip():
+                parse_tsv_line(line, path, number)  # raises DataError naming the line
+            continue
+        src, tgt = line.split("\t")
+        if (src := src.strip()) and (tgt := tgt.strip()):
+            out.append((src, tgt))
     return out
 
 
