@@ -61,6 +61,43 @@ def test_routed_experts_equal_the_dense_mixture_and_each_runs_once(router: str, 
     torch.testing.assert_close(grad, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_one_token_runs_its_k_experts_and_mixes_them_exactly(training: bool) -> None:
+    """Batch-1 decode's path: y = sum_j w_j expert_j(x) in fp32, bit for bit, each chosen expert once on the one
+    row; in training the same gradients as the dense reference, and zeros (not None) for the idle experts."""
+    config = moe_config(n_experts=4, n_experts_per_token=2)
+    torch.manual_seed(1)
+    layer = MixtureOfExperts(config).train(training)
+    x = torch.randn(1, 1, config.d_model, requires_grad=True)
+    calls: list[tuple[int, int]] = []
+    for e, expert in enumerate(layer.experts):
+        expert.register_forward_hook(lambda module, args, out, e=e: calls.append((e, args[0].shape[0])))
+    out = layer(x)
+    weights, chosen = layer.route(layer.router(x[0]), 2)
+    assert sorted(calls) == sorted((e, 1) for e in chosen[0].tolist())
+    with torch.no_grad():
+        formula = sum(w * layer.experts[e](x[0]) for w, e in zip(weights[0], chosen[0].tolist(), strict=True))
+    assert torch.equal(out.detach(), formula[None])
+    torch.testing.assert_close(out.double(), dense_reference(layer, x, "topk-softmax"), atol=1e-6, rtol=1e-6)
+    if not training:
+        return
+    out.square().sum().backward()
+    x_ref = x.detach().requires_grad_()
+    ours = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    layer.zero_grad()
+    dense_reference(layer, x_ref, "topk-softmax").square().sum().backward()
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(ours[name].double(), p.grad.double(), atol=1e-5, rtol=1e-4, msg=name)
+    idle = set(range(4)) - set(chosen[0].tolist())
+    assert idle and all(not ours[f"experts.{e}.up_proj.weight"].any() for e in idle)
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_no_tokens_give_no_rows() -> None:
+    layer = MixtureOfExperts(moe_config()).eval()
+    assert layer(torch.randn(2, 0, 32)).shape == (2, 0, 32)
+
+
 def test_idle_experts_get_zero_gradients_in_training() -> None:
     """DistributedDataParallel needs a gradient for every parameter: an expert no token chose gets zeros."""
     torch.manual_seed(0)

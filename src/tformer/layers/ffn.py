@@ -108,8 +108,8 @@ class Router(nn.Linear):
 class MixtureOfExperts(nn.Module):
     """A sparse FFN (Shazeer et al., 2017; Switch, Mixtral): a router scores the n_experts FFNs for each token,
     the token goes through its top n_experts_per_token of them, and their outputs are summed with the router's
-    weights. Each expert runs once per forward, over the tokens routed to it (gathered, then added back with
-    index_add_): the work is k expert FFNs per token, not n_experts.
+    weights. Each expert runs once per forward, over the tokens routed to it: the work is k expert FFNs per
+    token, not n_experts.
 
     The experts are FFN modules of kind `config.ffn` (nn.Linear inside), so quantization and projection fusion
     treat each one as they treat a dense FFN. In training the last forward's router logits stay in
@@ -130,23 +130,35 @@ class MixtureOfExperts(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, d)
         logits = self.router(x)  # (N, E)
         self.router_logits = logits if self.training else None
-        weights, experts = self.route(logits, self.top_k)  # (N, k), (N, k)
-        # the N * k (token, expert) pairs grouped by expert: expert e takes the next counts[e] of them
-        order = experts.flatten().argsort(stable=True)
-        counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()
-        tokens, token_weights = (order // self.top_k).split(counts), weights.flatten()[order].split(counts)
-        out = torch.zeros_like(x)
-        idle: list[torch.Tensor] = []
-        for expert, rows, weight in zip(self.experts, tokens, token_weights, strict=True):
-            if rows.numel():
-                out.index_add_(0, rows, (expert(x[rows]) * weight[:, None]).to(out.dtype))
-            elif self.training:
-                idle += [p.sum() for p in expert.parameters()]
-        if idle:
+        weights, experts = self.route(logits, self.top_k)  # (N, k) fp32, (N, k)
+        if x.shape[0] == 1:  # batch-1 decode: the token's k experts in turn, nothing to group or scatter
+            chosen = experts[0].tolist()
+            outputs = torch.cat([self.experts[e](x) for e in chosen])  # (k, d)
+            out = (weights.T * outputs).sum(0, keepdim=True)  # (1, d), mixed in fp32
+        else:
+            chosen, out = self.grouped(x, weights, experts)
+        if self.training and len(set(chosen)) < len(self.experts):
             # an idle expert takes part times zero, so that its gradients are zeros rather than missing
             # (DistributedDataParallel expects a gradient for every parameter in every step)
-            out = out + 0.0 * torch.stack(idle).sum().to(out.dtype)
-        return out.reshape(shape)
+            idle = [p.sum() for e, expert in enumerate(self.experts) if e not in chosen for p in expert.parameters()]
+            out = out + 0.0 * torch.stack(idle).sum()
+        return out.to(x.dtype).reshape(shape)
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Several tokens: the N * k (token, slot) pairs sorted by expert, so that each expert's rows are one
+        contiguous slice of a single gather of x; the outputs go back to (token, slot) order with one copy and
+        are mixed with the weights in fp32. Gives the experts that ran and the mixture (N, d)."""
+        n, d = x.shape
+        flat = experts.flatten()  # (N * k,)
+        order = flat.argsort(stable=True)  # the pairs grouped by expert: expert e takes the next counts[e]
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # the one host sync
+        rows = x.index_select(0, order // self.top_k).split(counts)  # (counts[e], d) views
+        ran = [e for e, count in enumerate(counts) if count]
+        if not ran:  # no tokens at all
+            return ran, torch.zeros_like(x, dtype=weights.dtype)
+        outputs = torch.cat([self.experts[e](rows[e]) for e in ran])  # (N * k, d) in expert order
+        mixed = torch.empty_like(outputs).index_copy_(0, order, outputs).view(n, self.top_k, d)
+        return ran, (mixed * weights[..., None]).sum(1)
 
 
 def make_ffn(config: ModelConfig, layer: int = 0) -> nn.Module:
