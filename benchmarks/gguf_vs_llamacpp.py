@@ -96,6 +96,7 @@ MODELS = {  # name: (preset, overrides)
         },
     ),
 }
+MATMULS = ("tformer::int4_matmul", "tformer::w8a8_matmul")
 CONTEXT = 2048  # both sides' context (llama.cpp n_ctx, tformer max_model_len) in `decode` and `memory`
 TEXTS = ["the cat sat on the mat", "a dog ran in the park", "the bird sang at dawn", "rain fell on the hills"] * 20
 Q4_K_M = "Q4_K_M"
@@ -418,16 +419,17 @@ def memory_child(args: argparse.Namespace) -> None:
         )
         loaded = rss_bytes()
         engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        parts = {"model_bytes": model_bytes(engine.model), "kv_bytes": engine.kv.nbytes}
     else:
         import llama_cpp  # noqa: F401  (its shared libraries count in `before`, as torch's do on the other side)
 
-        before = rss_bytes()
+        before, parts = rss_bytes(), {}
         llama = load_llamacpp(path, args.threads, CONTEXT)
         loaded = rss_bytes()
         for count, _ in enumerate(llama.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0), start=1):
             if count == 16:
                 break
-    print(json.dumps({"before": before, "loaded": loaded, "after_request": rss_bytes()}))
+    print(json.dumps({"before": before, "loaded": loaded, "after_request": rss_bytes(), **parts}))
 
 
 def memory(args: argparse.Namespace) -> dict:
@@ -458,6 +460,11 @@ def print_memory(model: str, r: dict) -> None:
             f"{grown / size:6.2f}x "
             f"{s['after_request'] / 1e9:12.2f}G {after / 1e9:7.2f}G {after / size:6.2f}x"
         )
+        if "model_bytes" in s:
+            print(
+                f"{'':12s} of which weights and buffers {s['model_bytes'] / 1e9:.3f} GB, KV pool "
+                f"{s['kv_bytes'] / 1e9:.3f} GB ({CONTEXT} tokens, 16-bit, as llama.cpp's n_ctx cache)"
+            )
     print(r["load_after"])
 
 
@@ -478,7 +485,11 @@ def profile_parts(args: argparse.Namespace) -> None:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         print(f"=== {args.model}: {label}")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
+        averages = prof.key_averages()
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
+        total = sum(a.self_cpu_time_total for a in averages)
+        kernels = sum(a.self_cpu_time_total for a in averages if a.key in MATMULS)
+        print(f"INT4 and INT8 matmul kernels: {kernels / total:.1%} of the self CPU time")
     print(load_report("after"))
 
 
