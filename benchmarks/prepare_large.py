@@ -131,14 +131,22 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+PEAKS: dict[str, int] = {}  # the main process's peak anonymous and file-backed RSS in the last run_measured
+
+
 def run_measured(command: list[str]) -> tuple[int, float, int, int, str]:
-    """(exit code, seconds, peak RSS of the main process, peak RSS of its largest child, output tail)."""
+    """(exit code, seconds, peak RSS of the main process, peak RSS of its largest child, output tail). The main
+    process's RSS is also split (PEAKS): anonymous memory, and the file pages it maps (the shards' memory maps,
+    which the kernel reclaims as page cache when memory runs short)."""
     started = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     peaks: dict[int, int] = {}
+    PEAKS.clear()
     while process.poll() is None:
         for pid in [process.pid, *_children(process.pid)]:
             peaks[pid] = max(peaks.get(pid, 0), _status(pid, "VmHWM"), _status(pid, "VmRSS"))
+        for field in ("RssAnon", "RssFile"):
+            PEAKS[field] = max(PEAKS.get(field, 0), _status(process.pid, field))
         time.sleep(0.2)
     seconds = time.perf_counter() - started
     output = process.stdout.read()
@@ -163,7 +171,8 @@ def prepare_command(args: argparse.Namespace) -> None:
     path = recipe(args.scratch, corpus, prepared, args.scratch / f"{name}-run", 10)
     before = position(prepared)
     print(load_report("before"))
-    command = [sys.executable, "-m", "tformer", "prepare", str(path), "--sample-mb", str(args.sample_mb)]
+    command = [sys.executable, "-m", "tformer", "prepare", str(path), "--sample-mb", str(args.sample_mb),
+               "--workers", str(args.workers)]  # fmt: skip
     code, seconds, main, worker, output = run_measured([*command, "--time-budget", str(args.budget)])
     if code != 0:
         raise SystemExit(f"tformer prepare failed ({code}):\n{output}")
@@ -183,6 +192,7 @@ def prepare_command(args: argparse.Namespace) -> None:
             "mb_per_s_tokenizing": round((after - before) / 2**20 / (seconds - tokenizer_seconds), 2),
             "peak_rss_main_mb": round(main / 2**20),
             "peak_rss_worker_mb": round(worker / 2**20),
+            "workers": args.workers or os.cpu_count(),
             "finished": done,
             "output": output.strip().splitlines()[-2:],
         }
@@ -263,6 +273,8 @@ def train_command(args: argparse.Namespace) -> None:
                 "corpus_bytes": manifest["source"]["bytes"],
                 "tokens": manifest["tokens"],
                 "peak_rss_mb": round(main / 2**20),
+                "peak_rss_anon_mb": round(PEAKS.get("RssAnon", 0) / 2**20),
+                "peak_rss_file_mb": round(PEAKS.get("RssFile", 0) / 2**20),
                 "model": MODEL,
                 **{k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()},
             }
@@ -279,6 +291,7 @@ def main() -> None:
     sub.choices["prepare"].add_argument("--budget", type=float, default=300.0)
     sub.choices["prepare"].add_argument("--sample-mb", type=float, default=64.0)
     sub.choices["prepare"].add_argument("--small", action="store_true", help="the 64 MiB corpus instead")
+    sub.choices["prepare"].add_argument("--workers", type=int, default=0, help="tokenizing processes (0: one a CPU)")
     sub.choices["replicate"].add_argument("--times", type=int, default=64)
     sub.choices["train"].add_argument("--steps", type=int, default=40)
     sub.choices["train"].add_argument("--only", default="small,large,replicated", help="which shards, by name")
