@@ -284,3 +284,34 @@ def test_a_tied_embedding_is_one_int8_table_built_from_its_blocks(mixed_file: Pa
     assert torch.equal(table(ids), expected.dequantized()[ids])
     vocab_floats = reference.decoder.tokens.weight.numel()
     assert all(t.numel() < vocab_floats for t in [*model.parameters(), *model.buffers()] if t.is_floating_point())
+
+
+def test_an_untied_head_is_int8_from_its_blocks_and_the_embedding_stays_float(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    path = gguf_writers.write(
+        tmp_path / "untied.gguf",
+        model,
+        "llama",
+        Q.F32,
+        types={"output.weight": Q.Q8_0},
+        keys=gguf_writers.TINY_TOKENIZER,
+    )
+    reference = from_gguf(path)
+    ours, _ = load_quantized(path, "int4", as_stored=True)
+    expected = Int8Linear(float_layer(reference.lm_head.weight.detach()))
+    assert isinstance(ours.lm_head, Int8Linear)
+    assert torch.equal(ours.lm_head.packed, expected.packed) and torch.equal(ours.lm_head.scales, expected.scales)
+    assert type(ours.decoder.tokens) is nn.Embedding
+    assert torch.equal(ours.decoder.tokens.weight, reference.decoder.tokens.weight)

@@ -22,9 +22,9 @@ from tformer.interop.gguf import (
     from_gguf,
     is_gguf,
     open_gguf,
+    stored_head,
     stored_linears,
     stored_precision,
-    stored_tied_embedding,
 )
 from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.kernels.dispatch import resolve_device
@@ -123,25 +123,28 @@ def load_quantized(
     Unquantized weights load in the serving dtype itself. INT4 and INT8 from a GGUF file are built from each
     layer's blocks (`stored_layer`), with no float copy of the model; with `as_stored` (`--quantize auto`) each
     layer takes the kernel its own type maps to (`STORED_PRECISION`: a Q4_K_M file's Q6_K layers INT8, its Q4_K
-    ones INT4), else every layer takes `quantize`. Other quantizations read float32 weights (rounding them once)."""
+    ones INT4), else every layer takes `quantize`. The output head is INT8 from its blocks too (`stored_head`), and a
+    tied embedding reads its rows from it. Other quantizations read float32 weights (rounding them once)."""
     if quantize is None:
         return load_pretrained(path, WEIGHT_DTYPES[resolve_dtype(dtype, quantize)])
     if quantize not in ("int4", "int8") or not is_gguf(path):
         return load_pretrained(path)
     reader = open_gguf(path)
     stored = stored_linears(reader)
-    embedding = stored_tied_embedding(reader)
-    tied = [embedding[0], "lm_head.weight"] if embedding else []
-    model = from_gguf(path, reader, leave_out=[*stored, *tied])
+    head = stored_head(reader)
+    head_names = [] if head is None else ["lm_head.weight", *([head[1]] if head[1] else [])]
+    model = from_gguf(path, reader, leave_out=[*stored, *head_names])
     for name, weight in stored.items():
         parent, _, child = name.removesuffix(".weight").rpartition(".")
         module = model.get_submodule(parent)
         kind = STORED_PRECISION.get(weight.kind, quantize) if as_stored else quantize
         setattr(module, child, stored_layer(weight, kind, getattr(module, child).bias))
-    if embedding is not None:  # the head INT8 as `quantize` makes it, and the embedding's rows read from it
-        table = model.get_submodule(embedding[0].removesuffix(".weight"))
-        model.lm_head = Int8Linear.from_chunks(embedding[1].chunks(), bias=model.lm_head.bias)
-        tie_quantized_embeddings(model, {id(table.weight): model.lm_head})
+    if head is not None:  # INT8 as `quantize` makes a head, and a tied embedding's rows read from it
+        blocks, embedding = head
+        table = None if embedding is None else model.get_submodule(embedding.removesuffix(".weight"))
+        model.lm_head = Int8Linear.from_chunks(blocks.chunks(), bias=model.lm_head.bias)
+        if table is not None:
+            tie_quantized_embeddings(model, {id(table.weight): model.lm_head})
     return model, tokenizer_from_gguf(path, reader)
 
 

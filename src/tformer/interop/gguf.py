@@ -472,25 +472,26 @@ def stored_linears(reader: GGUFFile) -> dict[str, StoredLinear]:
     return stored
 
 
-def stored_tied_embedding(reader: GGUFFile) -> tuple[str, StoredLinear] | None:
-    """(tformer parameter name, blocks) of the token embedding where the file ties the output head to it and
-    takes it as stored (no transform), else None: an INT8 head can then be built from its blocks a few rows at
-    a time, and serve the embedding's lookups too (`quantize.RowsEmbedding`), with no float copy of the table."""
+def stored_head(reader: GGUFFile) -> tuple[StoredLinear, str | None] | None:
+    """The output head's blocks (`output.weight`, or `token_embd.weight` where the file ties the head to the
+    embedding) and, when tied, the tformer name of the embedding table; None where the head is not taken as
+    stored (a transform, a type not supported). An INT8 head is then built from its blocks a few rows at a time,
+    with no float copy of the table, and a tied embedding reads its rows from it (`quantize.RowsEmbedding`)."""
     arch, hf_config = hf_config_from_gguf(reader, reader.path)
-    if not hf_config["tie_word_embeddings"]:
-        return None
     family = hf_family(arch, reader.path)
     table = _table(family, _model_config(family, hf_config, reader.path))
     weights = GGUFTensors(reader, arch, hf_config, torch.float32)
+    tied = hf_config["tie_word_embeddings"]
     for hf_name, entry in table.items():
-        if isinstance(entry, str) and weights.gguf_name.get(hf_name) == "token_embd.weight":
-            tensor, transform = weights.sources[hf_name]
-            if transform is not None or len(tensor.shape) != 2 or tensor.tensor_type not in SUPPORTED_TYPES:
-                return None
-            out_f, in_f = tensor.torch_shape
-            return entry, StoredLinear(
-                tensor.name, tensor.tensor_type, reader.raw(tensor).view(out_f, -1), (out_f, in_f)
-            )
+        source = weights.gguf_name.get(hf_name)
+        if not isinstance(entry, str) or source != ("token_embd.weight" if tied else "output.weight"):
+            continue
+        tensor, transform = weights.sources[hf_name]
+        if transform is not None or len(tensor.shape) != 2 or tensor.tensor_type not in SUPPORTED_TYPES:
+            return None
+        out_f, in_f = tensor.torch_shape
+        rows = reader.raw(tensor).view(out_f, -1)
+        return StoredLinear(tensor.name, tensor.tensor_type, rows, (out_f, in_f)), entry if tied else None
     return None
 
 
