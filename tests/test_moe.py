@@ -7,16 +7,20 @@ from __future__ import annotations
 import json
 import math
 
+import gguf_writers
 import pytest
 import torch
 from conftest import make_model, tiny_config
+from gguf import GGMLQuantizationType as Q
 from helpers import LINES, greedy_within_rounding, prompts_of_mixed_lengths, reference_greedy
 from safetensors.torch import load_file
 
 from tformer.config import ConfigError, ModelConfig
 from tformer.engine import Engine, EngineConfig, SamplingParams
+from tformer.engine.loading import load_quantized
 from tformer.interop import from_hf, to_hf
-from tformer.kernels.quantize import Int4Linear, Int8Linear, quantize
+from tformer.interop.gguf import dequantize_tensor, open_gguf
+from tformer.kernels.quantize import Int4Linear, Int8Linear, quantize, set_precision
 from tformer.layers.ffn import ROUTERS, MixtureOfExperts, Router
 from tformer.training.losses import load_balancing_loss, moe_aux_loss
 
@@ -339,7 +343,8 @@ def test_quantized_experts_stay_close_to_the_float_model(mode: str) -> None:
     experts = [e for m in model.modules() if isinstance(m, MixtureOfExperts) for e in m.experts]
     kind = Int8Linear if mode == "int8" else Int4Linear
     assert all(isinstance(getattr(e, name), kind) for e in experts for name in ("gate_proj", "up_proj", "down_proj"))
-    assert all(type(m.router) is Router for m in model.modules() if isinstance(m, MixtureOfExperts))  # stays float
+    routers = [(m.router, f.router) for m, f in zip(moe_layers(model), moe_layers(float_model), strict=True)]
+    assert all(type(ours) is Router and torch.equal(ours.weight, theirs.weight) for ours, theirs in routers)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         distance = (torch.softmax(model(ids), -1) - torch.softmax(float_model(ids), -1)).abs().sum(-1).max()
@@ -350,8 +355,6 @@ def test_quantized_experts_stay_close_to_the_float_model(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_experts_serve_like_their_uncached_forward(mode: str, dtype: str) -> None:
     """As `tformer serve --quantize` prepares a model: each expert's gate and up fused, then quantized."""
-    from tformer.kernels.quantize import set_precision
-
     model = set_precision(make_model(moe_config()), dtype, mode)
     assert all(
         e.gate_up_proj is not None for m in model.modules() if isinstance(m, MixtureOfExperts) for e in m.experts
@@ -369,6 +372,38 @@ def test_quantized_experts_serve_like_their_uncached_forward(mode: str, dtype: s
     margin = 2 * 2.0 ** (math.floor(math.log2(largest)) - 7)
     for result, prompt in zip(results, prompts, strict=True):
         assert len(result.token_ids) == 8 and greedy_within_rounding(model, prompt, result.token_ids, margin)
+
+
+def moe_layers(model: torch.nn.Module) -> list[MixtureOfExperts]:
+    return [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
+
+
+@pytest.mark.parametrize("quantize, as_stored", [("int4", True), ("int8", False)], ids=["auto", "int8"])
+def test_a_gguf_files_routers_stay_float_and_route_as_the_file_says(quantize: str, as_stored: bool, tmp_path) -> None:
+    """A Mixtral file as llama.cpp quantizes one (matrices Q4_0, each router ffn_gate_inp kept F16), served as
+    stored (`--quantize auto`) or as INT8: the experts are quantized, each router is a float `Router` holding the
+    file's F16 weight, and on the served model's own hidden states it picks the experts the float formula picks."""
+    routers = {f"blk.{i}.ffn_gate_inp.weight": Q.F16 for i in range(HF_SIZES["num_hidden_layers"])}
+    path = gguf_writers.write(
+        tmp_path / "moe.gguf", hf_mixtral(intermediate_size=64), "llama", Q.Q4_0, types=routers,
+        keys=gguf_writers.TINY_TOKENIZER,
+    )  # fmt: skip
+    model, _ = load_quantized(path, quantize, as_stored=as_stored)
+    set_precision(model, "float32", quantize)
+    reader = open_gguf(path)
+    files = {t.name: dequantize_tensor(reader, t) for t in reader.tensors if t.name in routers}
+    seen: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}  # router -> (its input, its logits)
+    for layer, name in zip(moe_layers(model), routers, strict=True):
+        assert type(layer.router) is Router and torch.equal(layer.router.weight, files[name])
+        assert isinstance(layer.experts[0].gate_up_proj, Int4Linear if quantize == "int4" else Int8Linear)
+        layer.router.register_forward_hook(lambda router, args, out: seen.__setitem__(router, (args[0], out)))
+    with torch.no_grad():
+        model(torch.tensor([[5, 17, 3, 60, 42, 8, 91, 33, 12, 50]]))
+        for layer, name in zip(moe_layers(model), routers, strict=True):
+            x, logits = seen[layer.router]
+            expected = x @ files[name].T  # the float router's formula, on the quantized model's hidden states
+            torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+            assert torch.equal(logits.topk(2).indices.sort().values, expected.topk(2).indices.sort().values)
 
 
 # ---- to_hf from a model trained here, and files tformer refuses ---------------------------------------------------

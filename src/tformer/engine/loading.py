@@ -10,6 +10,7 @@ import os
 import sys
 
 import torch
+from torch import nn
 
 from tformer.checkpoints import load_pretrained
 from tformer.data.tokenizer import Tokenizer
@@ -39,6 +40,7 @@ from tformer.kernels.quantize import (
     set_precision,
     tie_quantized_embeddings,
 )
+from tformer.layers.ffn import Router
 from tformer.models import TransformerModel
 from tformer.models.families import EncoderMLM
 
@@ -137,6 +139,9 @@ def load_quantized(
     for name, weight in stored.items():
         parent, _, child = name.removesuffix(".weight").rpartition(".")
         module = model.get_submodule(parent)
+        if isinstance(getattr(module, child), Router):  # stays float, as `quantize` keeps it: it picks the experts
+            getattr(module, child).weight = nn.Parameter(weight.floats())
+            continue
         kind = STORED_PRECISION.get(weight.kind, quantize) if as_stored else quantize
         setattr(module, child, stored_layer(weight, kind, getattr(module, child).bias))
     if head is not None:  # INT8 as `quantize` makes a head, and a tied embedding's rows read from it
