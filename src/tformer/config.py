@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-import yaml
-
 from tformer.errors import ConfigError
 from tformer.files import read_mapping
 
@@ -92,6 +90,8 @@ class ConfigBase:
         if path.suffix == ".json":
             text = json.dumps(self.to_dict(), indent=2) + "\n"
         else:
+            import yaml  # here, not at the top: commands that never write a config skip its import
+
             text = yaml.safe_dump(self.to_dict(), sort_keys=False)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text, encoding="utf-8")

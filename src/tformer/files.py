@@ -16,8 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 
 def read_mapping(path: Path, error: type[Exception], what: str, fix: str = "") -> dict[str, Any]:
     """The mapping a JSON file (or, unless the suffix is .json, a YAML file) holds; `error(message)` otherwise.
@@ -25,6 +23,8 @@ def read_mapping(path: Path, error: type[Exception], what: str, fix: str = "") -
     `what` names the keys the file should hold; `fix` is appended to the message of a file that does not parse
     (how to get a good copy).
     """
+    import yaml  # here, not at the top: a GGUF file or `tformer info` on a preset never reads YAML
+
     text = path.read_bytes()
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text.decode("utf-8"))
