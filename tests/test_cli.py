@@ -1,10 +1,12 @@
 """The command line, run as a user runs it."""
 
+import gc
 import json
 import subprocess
 import sys
 
-from tformer.cli import main
+from tformer.cli import COLLECT_EVERY, COMMANDS, main
+from tformer.errors import ConfigError
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -36,8 +38,6 @@ def test_errors_are_one_clear_line_and_exit_2(tmp_path, capsys):
 
 
 def test_every_command_has_help():
-    from tformer.cli import COMMANDS
-
     result = run_cli("--help")
     assert result.returncode == 0
     assert all(name in result.stdout for name in COMMANDS)
@@ -47,6 +47,26 @@ def test_every_command_has_help():
         assert result.returncode == 0 and summary[:40] in " ".join(result.stdout.split()), name
     result = run_cli("info", "--help")
     assert "--context" in result.stdout and "KV-cache element type" in result.stdout
+
+
+def test_a_command_runs_with_a_lazier_collector_and_leaves_the_threshold_as_it_was(monkeypatch):
+    seen = []
+
+    def probe(fail: bool = False) -> None:
+        """Record the collector's threshold.
+
+        fail: raise a TformerError
+        """
+        seen.append(gc.get_threshold())
+        if fail:
+            raise ConfigError("asked to fail")
+
+    monkeypatch.setitem(COMMANDS, "probe", probe)
+    before = gc.get_threshold()
+    assert main(["probe"]) == 0
+    assert main(["probe", "--fail"]) == 2
+    assert seen == [(COLLECT_EVERY, *before[1:])] * 2
+    assert gc.get_threshold() == before
 
 
 # modules a command that does not train, plot, score or serve must not pay for at start-up

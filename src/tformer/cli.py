@@ -24,6 +24,9 @@ from tformer.commands.training import average, estimate, evaluate, train, transl
 from tformer.errors import TformerError
 from tformer.threads import apply_thread_policy
 
+# allocations (less deallocations) between two collections of the youngest generation while a command runs
+COLLECT_EVERY = 10_000
+
 COMMANDS: dict[str, Callable[..., None]] = {
     "train": train,
     "prepare": prepare,
@@ -107,11 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("_command")
     code = 0
+    # Importing torch and building a model allocate millions of objects that live for good and form few cycles;
+    # at the default threshold (a collection every 700 allocations) the collector runs hundreds of times during
+    # start-up and walks the whole heap several times. Every COLLECT_EVERY allocations it still frees cycles.
+    threshold = gc.get_threshold()
+    gc.set_threshold(COLLECT_EVERY, *threshold[1:])
     try:
         command(**args)
     except TformerError as err:
         print(f"tformer: error: {err}", file=sys.stderr)
         code = 2
+    finally:
+        gc.set_threshold(*threshold)
     # What is alive now dies with the process: frozen, it is left out of the interpreter's last collections, which
     # otherwise walk every object torch created (a few tenths of a second at each exit).
     gc.freeze()
