@@ -1,7 +1,10 @@
 """Start-up: from typing a command to its answer, tformer beside llama-cpp-python and HF transformers.
 
 Every figure is measured in a fresh process, from just before the process starts, with a warm page cache (one
-untimed run of each first). The sides alternate round by round and the report gives medians.
+untimed run of each first). The sides alternate round by round and the report gives medians. Python's bytecode is
+cached as an installed package has it (pip compiles it when it installs): the untimed run writes tformer's into a
+temporary PYTHONPYCACHEPREFIX, even where PYTHONDONTWRITEBYTECODE is set (this repository is an editable install,
+whose sources would otherwise be compiled again by every run); `--no-bytecode-cache` keeps the environment as it is.
 
 - generate: `tformer generate PROMPT --model GGUF` until its first token reaches stdout, and until it exits;
   llama-cpp-python and transformers run the same chat prompt from the same GGUF file in a short script each.
@@ -161,10 +164,21 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads")
     parser.add_argument("--skip-hf", action="store_true", help="leave out transformers (about 30 s a run)")
     parser.add_argument("--compile", action="store_true", help="also time --compile, cold and with its cache")
+    parser.add_argument(
+        "--no-bytecode-cache", action="store_true", help="leave PYTHONDONTWRITEBYTECODE and PYTHONPYCACHEPREFIX as set"
+    )
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
-    out = Report(args.output)
+    out = Report(args.output, prepend=True)  # newest first, the earlier reports kept below
     out.header("start-up: tformer against llama-cpp-python and HF transformers (benchmarks/startup.py)")
+    bytecode = None if args.no_bytecode_cache else tempfile.TemporaryDirectory(prefix="startup-bytecode-")
+    if bytecode is not None:  # every child inherits it: the untimed first run of each side fills the cache
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+        os.environ["PYTHONPYCACHEPREFIX"] = bytecode.name
+        out("bytecode: cached by the untimed first run of each side (a temporary PYTHONPYCACHEPREFIX)")
+    else:
+        no_write = os.environ.get("PYTHONDONTWRITEBYTECODE")
+        out(f"bytecode: as the environment has it (PYTHONDONTWRITEBYTECODE={no_write})")
     gguf = smollm2_path()
     tformer = [str(BIN / "tformer"), "generate", PROMPT, "--model", str(gguf), "--max-tokens", str(NEW_TOKENS)]
     sides = {
@@ -252,6 +266,8 @@ def main() -> int:
     out(f"\noutput of the last tformer generate: {first_output(tformer)[2]!r}")
     out("load after: " + os.popen("uptime").read().strip())
     out.save()
+    if bytecode is not None:
+        bytecode.cleanup()
     return 0
 
 
