@@ -4,6 +4,7 @@ transformers' `load_balancing_loss_func`, and training, serving and quantization
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -404,6 +405,39 @@ def test_a_gguf_files_routers_stay_float_and_route_as_the_file_says(quantize: st
             expected = x @ files[name].T  # the float router's formula, on the quantized model's hidden states
             torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
             assert torch.equal(logits.topk(2).indices.sort().values, expected.topk(2).indices.sort().values)
+
+
+def test_the_experts_op_runs_the_layer_its_key_names_and_a_copy_has_its_own() -> None:
+    """`tformer::moe_experts`, what a compiled graph calls for a layer's experts, equals the dense mixture of the
+    layer it names, and a deep copy (other weights here) is a layer of its own, not the one it was copied from."""
+    layer = MixtureOfExperts(moe_config()).eval()
+    twin = copy.deepcopy(layer)
+    x = torch.randn(7, layer.router.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for param in twin.experts.parameters():
+            param.mul_(-1.5)
+        for each in (layer, twin):
+            weights, experts = each.route(each.router(x), each.top_k)
+            out = torch.ops.tformer.moe_experts(x, weights, experts, each.key)
+            torch.testing.assert_close(out.double(), dense_reference(each, x, "topk-softmax"), atol=1e-6, rtol=1e-5)
+    assert twin.key != layer.key
+
+
+def test_compiled_decode_runs_moe_and_dense_layers_each_as_its_own() -> None:
+    """EngineConfig(compile=True) on layers of two structures (layer 0 dense, layer 1 a mixture of experts): the
+    experts run as one op (`tformer::moe_experts`) inside the decode step's one graph, so no Block's compiled frame
+    is shared by layers of another structure (the step keeps no guards on modules). Decode steps of one row and of
+    several; fp32, so the tokens are the uncached forward's exactly."""
+    from torch._dynamo.utils import counters
+
+    model = make_model(moe_config(moe_dense_layers=[0]))
+    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=32, compile=True))
+    frames, breaks = counters["frames"]["ok"], sum(counters["graph_break"].values())
+    prompts, params = [[5, 6, 7, 8], [3, 4, 9]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = engine.generate(prompts[:1], params)[0].token_ids
+    together = [r.token_ids for r in engine.generate(prompts, params)]
+    assert counters["frames"]["ok"] > frames and sum(counters["graph_break"].values()) == breaks
+    assert [alone, *together] == [reference_greedy(model, p, 6) for p in [prompts[0], *prompts]]
 
 
 # ---- to_hf from a model trained here, and files tformer refuses ---------------------------------------------------

@@ -3,6 +3,8 @@ a mixture of experts of either kind (Mixtral, Qwen3-MoE)."""
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -124,6 +126,16 @@ class MixtureOfExperts(nn.Module):
         expert = replace(config, d_ff=config.moe_d_ff or config.d_ff, n_experts=0)
         self.experts = nn.ModuleList(FFNS[config.ffn](expert) for _ in range(config.n_experts))
         self.router_logits: torch.Tensor | None = None  # (N, n_experts), set by a forward in training mode
+        self._register()
+
+    def _register(self) -> None:
+        # the key that `tformer::moe_experts` finds this layer by; a copy (deepcopy, unpickling) gets its own
+        self.key = next(_KEYS)
+        _LAYERS[self.key] = self
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._register()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -131,18 +143,30 @@ class MixtureOfExperts(nn.Module):
         logits = self.router(x)  # (N, E)
         self.router_logits = logits if self.training else None
         weights, experts = self.route(logits, self.top_k)  # (N, k) fp32, (N, k)
-        if x.shape[0] == 1:  # batch-1 decode: the token's k experts in turn, nothing to group or scatter
-            chosen = experts[0].tolist()
-            outputs = torch.cat([self.experts[e](x) for e in chosen])  # (k, d)
-            out = (weights.T * outputs).sum(0, keepdim=True)  # (1, d), mixed in fp32
-        else:
-            chosen, out = self.grouped(x, weights, experts)
+        if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+            # Compiled serving: the experts run as one opaque op, since choosing them reads the routing back to
+            # Python, which would break the graph. After such a break Dynamo compiles each Block's forward as a
+            # frame of its own, shared by all layers, and the compiled decode step keeps no guards on modules
+            # (engine/runner.py): one layer's frame would then run for layers of another structure.
+            out = torch.ops.tformer.moe_experts(x, weights, experts, self.key)
+            return out.to(x.dtype).reshape(shape)
+        chosen, out = self.mix(x, weights, experts)
         if self.training and len(set(chosen)) < len(self.experts):
             # an idle expert takes part times zero, so that its gradients are zeros rather than missing
             # (DistributedDataParallel expects a gradient for every parameter in every step)
             idle = [p.sum() for e, expert in enumerate(self.experts) if e not in chosen for p in expert.parameters()]
             out = out + 0.0 * torch.stack(idle).sum()
         return out.to(x.dtype).reshape(shape)
+
+    def mix(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """The experts that ran and sum_j weights[:, j] * expert_{experts[:, j]}(x) (N, d), in fp32, for tokens x
+        (N, d) and their routing (N, k)."""
+        if x.shape[0] != 1:
+            return self.grouped(x, weights, experts)
+        # batch-1 decode: the token's k experts in turn, nothing to group or scatter
+        chosen = experts[0].tolist()
+        outputs = torch.cat([self.experts[e](x) for e in chosen])  # (k, d)
+        return chosen, (weights.T * outputs).sum(0, keepdim=True)  # (1, d), mixed in fp32
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Several tokens: the N * k (token, slot) pairs sorted by expert, so that each expert's rows are one
@@ -159,6 +183,23 @@ class MixtureOfExperts(nn.Module):
         outputs = torch.cat([self.experts[e](rows[e]) for e in ran])  # (N * k, d) in expert order
         mixed = torch.empty_like(outputs).index_copy_(0, order, outputs).view(n, self.top_k, d)
         return ran, (mixed * weights[..., None]).sum(1)
+
+
+# Each MixtureOfExperts by its key, for the op below; a layer leaves when it is freed
+_LAYERS: weakref.WeakValueDictionary[int, MixtureOfExperts] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+@torch.library.custom_op("tformer::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, layer: int) -> torch.Tensor:
+    """The mixture (N, d) in fp32 of the experts of the MixtureOfExperts keyed `layer` for tokens x (N, d) routed
+    to `experts` (N, k) with `weights` (N, k) (`MixtureOfExperts.mix`): a compiled graph calls it as it is."""
+    return _LAYERS[layer].mix(x, weights, experts)[1]
+
+
+@moe_experts.register_fake
+def _(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, layer: int) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=weights.dtype)
 
 
 def make_ffn(config: ModelConfig, layer: int = 0) -> nn.Module:
