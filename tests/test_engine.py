@@ -159,12 +159,10 @@ def test_compiled_decode_steps_give_the_uncached_tokens(preset: str) -> None:
     from torch._dynamo.utils import counters
 
     engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=32, compile=True))
-    frames_before, breaks_before = counters["frames"]["ok"], sum(counters["graph_break"].values())
     graphs_before = counters["stats"]["unique_graphs"]
     alone = engine.generate([prompts[0]], params)[0].token_ids  # batch size 1
     together = [r.token_ids for r in engine.generate(prompts, params)]
-    assert counters["frames"]["ok"] > frames_before  # dynamo did compile frames of the decoder
-    assert sum(counters["graph_break"].values()) == breaks_before  # one whole graph: no value read back
+    assert runner.compiled_decode_step(model.decoder).compiled is not None  # one whole graph: no eager fallback
     # one graph for batch 1 and one for larger batches: nothing that changes from step to step is specialized on
     assert counters["stats"]["unique_graphs"] - graphs_before == 2
     if preset == "tiny-llama":
@@ -213,10 +211,80 @@ def test_compiled_engines_of_two_models_keep_their_own_graphs_and_read_weights_i
     assert tokens == reference_greedy(models[0], prompt, 5)
     from torch._dynamo.utils import counters
 
-    frames = counters["frames"]["ok"]
+    graphs = counters["stats"]["unique_graphs"]
     again = Engine(models[0], config=EngineConfig(block_size=4, num_blocks=32, compile=True))
     assert again.generate([prompt], params)[0].token_ids == tokens
-    assert counters["frames"]["ok"] == frames  # a new engine over the same model reuses its graphs
+    assert counters["stats"]["unique_graphs"] == graphs  # a new engine over the same model reuses its graphs
+    assert all(runner.compiled_decode_step(m.decoder).compiled is not None for m in models)
+
+
+def test_a_decode_step_that_breaks_the_graph_runs_eager_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """The compiled step skips Dynamo's guards on modules (runner.DECODE_COMPILE_OPTIONS), safe only as one graph: a
+    graph break inside a layer made Dynamo compile that layer's frame alone, and the next layer, whose modules went
+    unchecked, ran it with the first one's Python values. Each layer's forward here breaks the graph and then scales
+    by a float of its own: the step must refuse to compile in pieces and decode eagerly, warning once, with the
+    uncached forward's tokens (fp32)."""
+    from tformer.layers.block import Block
+
+    def forward_then_scale(self: Block, x: torch.Tensor, *args: object) -> torch.Tensor:
+        out = Block.forward(self, x, *args)
+        torch._dynamo.graph_break()
+        return x + self.scale * (out - x)  # a Python value, which Dynamo reads as a constant of the graph
+
+    model = make_model(tiny_config("tiny-llama"))
+    for layer, scale in zip(model.decoder.layers, (1.0, -0.5), strict=True):
+        layer.scale = scale
+        layer.forward = forward_then_scale.__get__(layer)  # one code object for both layers, as Block.forward is
+    prompts = [[5, 6, 7, 8], [3, 4, 9]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=32, compile=True))
+    with caplog.at_level("WARNING", logger=runner.__name__):
+        alone = engine.generate(prompts[:1], params)[0].token_ids  # batch size 1
+        together = [r.token_ids for r in engine.generate(prompts, params)]
+        again = Engine(model, config=EngineConfig(block_size=4, num_blocks=32, compile=True))
+        assert again.generate(prompts[:1], params)[0].token_ids == alone
+    assert [alone, *together] == [reference_greedy(model, p, 6) for p in [prompts[0], *prompts]]
+    warnings = [r.getMessage() for r in caplog.records if r.name == runner.__name__]
+    assert len(warnings) == 1 and "graph_break" in warnings[0] and "uncompiled" in warnings[0]
+
+
+def test_a_models_own_error_keeps_the_step_compiled_and_the_recompile_limit_falls_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Dynamo's other refusals under `fullgraph`: an exception the model raises while traced (here in decode steps
+    while `refuse` is set) reaches the caller as the model's own, as eager, and leaves the step compiled, so the next
+    steps compile and run; a recompile past Dynamo's limit (a second batch size under a limit of 1) decodes eagerly
+    with one warning instead of failing the request."""
+    from torch._dynamo.utils import counters
+
+    from tformer.layers.block import Block
+
+    def forward(self: Block, x: torch.Tensor, *args: object) -> torch.Tensor:
+        if self.refuse and x.shape[1] == 1:
+            raise ValueError("refused")
+        return Block.forward(self, x, *args)
+
+    model = make_model(tiny_config("tiny-llama"))
+    layer = model.decoder.layers[1]
+    layer.refuse, layer.forward = True, forward.__get__(layer)
+    prompts = [[5, 6, 7, 8], [3, 4, 9]]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(block_size=4, num_blocks=32, compile=True)
+    with caplog.at_level("WARNING", logger=runner.__name__):
+        with pytest.raises(ValueError, match="refused"):
+            Engine(model, config=config).generate(prompts[:1], params)
+        assert runner.compiled_decode_step(model.decoder).compiled is not None
+        layer.refuse = False
+        engine = Engine(model, config=config)  # the first one's request is left half done by the error
+        graphs = counters["stats"]["unique_graphs"]
+        alone = engine.generate(prompts[:1], params)[0].token_ids
+        assert counters["stats"]["unique_graphs"] == graphs + 1  # compiled
+        assert not [r for r in caplog.records if r.name == runner.__name__]
+        with torch._dynamo.config.patch(recompile_limit=1):
+            together = [r.token_ids for r in engine.generate(prompts, params)]
+    assert [alone, *together] == [reference_greedy(model, p, 5) for p in [prompts[0], *prompts]]
+    warnings = [r.getMessage() for r in caplog.records if r.name == runner.__name__]
+    assert len(warnings) == 1 and "recompile limit" in warnings[0] and "uncompiled" in warnings[0]
 
 
 @pytest.mark.parametrize("beam_width, num_blocks", [(3, 128), (4, 128), (4, 36)], ids=["3", "4", "4-preempting"])

@@ -15,6 +15,7 @@ from helpers import prompts_of_mixed_lengths, reference_greedy
 from tformer.config import ConfigError
 from tformer.engine.engine import Engine, EngineConfig
 from tformer.engine.paged import PagedKVCache, kv_bytes_per_token
+from tformer.engine.runner import compiled_decode_step
 from tformer.engine.sampling import SamplingParams
 from tformer.kernels import kv_int8
 from tformer.kernels.kv_int8 import dequantize_int8, quantize_int8
@@ -216,6 +217,7 @@ def test_compiled_int8_decode_steps_give_the_reference_tokens() -> None:
     prompts = prompts_of_mixed_lengths(model.config.vocab_size)
     engine = Engine(model, config=EngineConfig(block_size=4, kv_cache_dtype="int8", compile=True))
     assert run(engine, prompts) == [int8_kv_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    assert compiled_decode_step(model.decoder).compiled is not None  # one whole graph: no eager fallback
 
 
 def test_an_int8_pool_holds_more_tokens_in_the_same_memory() -> None:

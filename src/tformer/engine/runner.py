@@ -14,7 +14,8 @@ With `compile`, decode steps (one new token per row) run the decoder through `to
 which fuses the small per-layer operations that dominate a decode step once the matmuls are cheap; prefill
 chunks, whose widths vary and whose time goes to matmuls, stay eager. The first decode step compiles
 (tens of seconds for SmolLM2 on 2 cores; docs/design-notes.md, "engine/runner.py"), and batch size 1 and larger
-batches compile once each.
+batches compile once each. The step compiles as one whole graph or not at all: a model whose step Dynamo cannot
+trace whole decodes eagerly, with one warning.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import types
 import weakref
 from collections.abc import Callable
@@ -38,6 +40,8 @@ from tformer.layers.attention import Attention
 from tformer.layers.kv_cache import CrossKV, LayerCache
 from tformer.models import DecoderLM, EncoderDecoder, TransformerModel
 from tformer.models.stack import StackInputs, engine_key_count
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,10 +96,11 @@ class StepBatch:
 
 
 # The decode step's time at batch 1 is dispatch, not arithmetic, so these options cut per-call work: no size asserts;
-# no guards on the modules (safe: a served model is frozen, and each model's step has its own graph cache,
-# `compiled_decode_step`); inductor's C++ launcher; and the graph's small kernels on one thread, since each opened an
-# OpenMP region (matmuls and attention are custom ops, which keep torch's threads) (docs/design-notes.md,
-# "engine/runner.py").
+# no guards on the modules; inductor's C++ launcher; and the graph's small kernels on one thread, since each opened an
+# OpenMP region (matmuls and attention are custom ops, which keep torch's threads). Skipping the module guards is safe
+# because a served model is frozen, each model's step has its own graph cache (`compiled_decode_step`), and the step
+# compiles as one graph (`fullgraph`): a graph break would compile a layer's frame alone, shared by every layer with
+# none of its modules or Python values checked (docs/design-notes.md, "engine/runner.py").
 DECODE_COMPILE_OPTIONS = {
     "size_asserts": False,
     "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
@@ -117,19 +122,68 @@ def _decode_step(stack: nn.Module, tokens: torch.Tensor, inputs: StackInputs, **
     return stack(tokens, inputs, **kwargs)
 
 
-# The compiled step of each decoder stack, made once: engines over one model share its graphs.
-_COMPILED_STEPS: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
+class OneGraphStep:
+    """A decoder stack's decode step compiled as one whole graph, `step(stack, tokens, inputs, **kwargs)`; once Dynamo
+    finds that the step does not compile as one graph (a construct it cannot trace, its recompile limit), the stack
+    decodes eagerly from then on, with one warning. A user's request never fails for it, and no step runs as pieces
+    of graphs that skip the module guards."""
 
-
-def compiled_decode_step(stack: nn.Module) -> Callable:
-    """`stack`'s compiled decode step, `step(stack, tokens, inputs, **kwargs)`. Each stack gets a copy of the step
-    function with a code object of its own, since Dynamo keeps graphs and guards per code object: another model
-    never meets this one's graphs, and a new engine over the same model compiles nothing again."""
-    step = _COMPILED_STEPS.get(stack)
-    if step is None:
+    def __init__(self) -> None:
+        # a code object of its own, since Dynamo keeps graphs and guards per code object
         code = _decode_step.__code__.replace()
         own = types.FunctionType(code, _decode_step.__globals__, _decode_step.__name__)
-        step = _COMPILED_STEPS[stack] = torch.compile(own, dynamic=True, options=DECODE_COMPILE_OPTIONS)
+        self.compiled: Callable | None = torch.compile(
+            own, dynamic=True, fullgraph=True, options=DECODE_COMPILE_OPTIONS
+        )
+
+    def __call__(self, stack: nn.Module, tokens: torch.Tensor, inputs: StackInputs, **kwargs: object) -> torch.Tensor:
+        if self.compiled is None:
+            return stack(tokens, inputs, **kwargs)
+        try:
+            with _floats_as_constants():
+                return self.compiled(stack, tokens, inputs, **kwargs)
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.FailOnRecompileLimitHit) as err:
+            # Dynamo raises Unsupported too for an exception the model raised while traced (a bad input): the eager
+            # step raises it again here, and the step stays compiled for the next inputs.
+            hidden = stack(tokens, inputs, **kwargs)
+            self.compiled = None
+            logger.warning(
+                "the model's decode step does not compile as one graph (%s); decoding continues uncompiled "
+                "for this model",
+                _dynamo_reason(err),
+            )
+            return hidden
+        except torch._dynamo.exc.BackendCompilerFailed as err:
+            raise RuntimeError(
+                f"compiling the decode step failed ({type(err.inner_exception).__name__}: {err.inner_exception}); "
+                "torch.compile on the CPU needs a working C++ compiler; install one, or run without --compile "
+                "(EngineConfig(compile=False))"
+            ) from None
+
+
+def _dynamo_reason(err: Exception) -> str:
+    """What Dynamo said it could not compile, and where in the model: "<what>: <explanation> at file:line in f"."""
+    if not isinstance(err, torch._dynamo.exc.Unsupported) and isinstance(err.__cause__, Exception):
+        err = err.__cause__  # the recompile limit: its own message only says that fullgraph made it an error
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    reason = ": ".join(lines[:2]).replace("Explanation: ", "")
+    frames = getattr(err, "real_stack", None)
+    if frames:
+        reason += f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}"
+    return f"Dynamo: {reason}"
+
+
+# The compiled step of each decoder stack, made once: engines over one model share its graphs.
+_COMPILED_STEPS: weakref.WeakKeyDictionary[nn.Module, OneGraphStep] = weakref.WeakKeyDictionary()
+
+
+def compiled_decode_step(stack: nn.Module) -> OneGraphStep:
+    """`stack`'s compiled decode step. Each stack gets a step with a code object of its own, since Dynamo keeps graphs
+    and guards per code object: another model never meets this one's graphs, and a new engine over the same model
+    compiles nothing again (nor tries again once its step fell back to eager)."""
+    step = _COMPILED_STEPS.get(stack)
+    if step is None:
+        step = _COMPILED_STEPS[stack] = OneGraphStep()
     return step
 
 
@@ -149,15 +203,7 @@ class CompiledDecode:
         # layer's kernel (its reuse heuristic realizes shared buffers only for ops such as exp and tanh), far more
         # than once eagerly (docs/design-notes.md, "engine/runner.py").
         inputs = replace(inputs, rotary=self.stack.positions.rotary(inputs.positions))
-        try:
-            with _floats_as_constants():
-                return self.compiled(self.stack, tokens, inputs, **kwargs)
-        except torch._dynamo.exc.BackendCompilerFailed as err:
-            raise RuntimeError(
-                f"compiling the decode step failed ({type(err.inner_exception).__name__}: {err.inner_exception}); "
-                "torch.compile on the CPU needs a working C++ compiler; install one, or run without --compile "
-                "(EngineConfig(compile=False))"
-            ) from None
+        return self.compiled(self.stack, tokens, inputs, **kwargs)
 
 
 class ModelRunner(Protocol):
