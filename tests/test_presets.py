@@ -1,5 +1,7 @@
 """Presets: each builds, and parameter counts equal the released models' (and transformers' own count)."""
 
+import functools
+
 import pytest
 import torch
 import transformers
@@ -23,9 +25,17 @@ RELEASED_COUNTS = {
 }
 
 
-def meta_count(name: str) -> int:
+@functools.cache
+def built_on_meta(name: str) -> tuple[str, int]:
+    """The class and parameter count of preset `name` built on the meta device, once per run (the MoE presets'
+    thousands of experts take seconds to build, and several tests ask for the same preset)."""
     with torch.device("meta"):
-        return build_model(ModelConfig.from_preset(name)).num_parameters()
+        model = build_model(ModelConfig.from_preset(name))
+    return type(model).__name__, model.num_parameters()
+
+
+def meta_count(name: str) -> int:
+    return built_on_meta(name)[1]
 
 
 def hf_meta_count(model_class: type, config: transformers.PretrainedConfig) -> int:
@@ -37,11 +47,10 @@ def hf_meta_count(model_class: type, config: transformers.PretrainedConfig) -> i
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_preset_builds(name):
     config = ModelConfig.from_preset(name)
-    with torch.device("meta"):
-        model = build_model(config)
-    assert model.num_parameters() > 0
+    model_class, parameters = built_on_meta(name)
+    assert parameters > 0
     assert (
-        type(model).__name__
+        model_class
         == {"encoder-decoder": "EncoderDecoder", "decoder": "DecoderLM", "encoder": "EncoderMLM"}[config.family]
     )
 
