@@ -346,9 +346,11 @@ def serve(args: argparse.Namespace) -> dict:
     requests = workload(model.config.vocab_size, args.requests)
     from tformer.engine import Engine
 
-    with torch.inference_mode():  # warm both sides up on 3 other requests, untimed
-        warm = workload(model.config.vocab_size, 3, seed=1)
-        run_engine_workload(Engine(model, tokenizer, config), warm)
+    # both sides warm up on 3 other requests, untimed; the engine as the timed rounds build theirs (outside
+    # inference_mode: a compiled step guards on its KV tensors' dispatch keys, which inference_mode changes)
+    warm = workload(model.config.vocab_size, 3, seed=1)
+    run_engine_workload(Engine(model, tokenizer, config), warm)
+    with torch.inference_mode():
         run_hf_static(hf, warm, 0)
     runs: dict[str, list[dict[str, float]]] = {"tformer": [], "hf": []}
     steps = {  # a fresh engine each round: no prefix-cache hits from the previous round
