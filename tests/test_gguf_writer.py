@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from gguf import GGMLQuantizationType
 from gguf_writers import llama3_divisors
 
 from tformer import ConfigError, ModelConfig, build_model
@@ -33,9 +34,12 @@ def model_and_tokenizer():
 
 
 def f16_rounded(model):
-    """The model with every weight rounded to f16 and back: what an f16 file holds (norms stay f32 there)."""
+    """The model with every weight rounded to f16 and back: what an f16 file holds (norms and a mixture's routers
+    stay f32 there)."""
     rounded = build_model(model.config).eval()
-    state = {k: v if v.ndim == 1 else v.half().float() for k, v in model.state_dict().items()}
+    state = {
+        k: v if v.ndim == 1 or k.endswith("router.weight") else v.half().float() for k, v in model.state_dict().items()
+    }
     rounded.load_state_dict(state)
     return rounded
 
@@ -168,5 +172,11 @@ def test_mixture_of_experts_goes_out_as_llama_cpp_writes_mixtral(tmp_path, model
     assert up.shape == (3, 96, 64)
     for j in range(3):
         torch.testing.assert_close(up[j], model.decoder.layers[1].ffn.experts[j].up_proj.weight.half().float())
-    assert dequantize_tensor(reader, by_name["blk.0.ffn_gate_inp.weight"]).shape == (3, 64)
+    router = by_name["blk.0.ffn_gate_inp.weight"]  # F32, as llama.cpp writes and quantizes it: never rounded
+    assert router.tensor_type == GGMLQuantizationType.F32
+    assert torch.equal(dequantize_tensor(reader, router), model.decoder.layers[0].ffn.router.weight)
     torch.testing.assert_close(logits(from_gguf(file).eval(), IDS), logits(f16_rounded(model), IDS), atol=1e-5, rtol=0)
+    to_gguf(model, tmp_path / "moe-q4_0.gguf", tokenizer, "q4_0")
+    quantized = {t.name: t.tensor_type for t in open_gguf(tmp_path / "moe-q4_0.gguf").tensors}
+    assert quantized["blk.1.ffn_gate_inp.weight"] == GGMLQuantizationType.F32
+    assert quantized["blk.1.ffn_up_exps.weight"] == GGMLQuantizationType.Q4_0

@@ -8,7 +8,7 @@ converter makes for llama: the q and k rows permuted into the interleaved pairs 
 reader, `gguf_arch.unpermute_rope_rows`, undoes it). Llama 3's scaled RoPE goes out as `rope_freqs`. A mixture
 of experts goes out as llama.cpp writes Mixtral: `llama` with expert_count and expert_used_count, the router as
 `ffn_gate_inp` and each expert matrix of a layer stacked into one 3-D tensor (`ffn_{gate,up,down}_exps`).
-Matrices are stored as F16, Q8_0 or Q4_0 (`gguf.quants.quantize`); norms stay F32, as llama.cpp keeps them.
+Matrices are stored as F16, Q8_0 or Q4_0 (`gguf.quants.quantize`); norms and routers stay F32, as llama.cpp keeps them.
 The tokenizer must be byte-level BPE (what tformer trains and Llama 3 / Qwen use): it goes out as
 `tokenizer.ggml.model` "gpt2" with its tokens, merges, token types, special ids and chat template.
 """
@@ -161,8 +161,10 @@ def _tokenizer_keys(writer: gguf.GGUFWriter, tokenizer: Tokenizer, vocab_size: i
 
 
 def _store(name: str, tensor: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType]:
-    """The tensor as written: matrices in `qtype`, except rows that are not whole blocks (F16 then)."""
-    if tensor.ndim == 1 or name == "rope_freqs.weight":
+    """The tensor as written: matrices in `qtype`, except rows that are not whole blocks (F16 then). Norms, the
+    rope factors and a mixture's routers stay F32, as llama.cpp's converter and quantizer keep them: a router's few
+    weights pick every token's experts."""
+    if tensor.ndim == 1 or name == "rope_freqs.weight" or name.endswith(".ffn_gate_inp.weight"):
         return tensor.astype(np.float32), GGMLQuantizationType.F32
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     if tensor.shape[-1] % block:
