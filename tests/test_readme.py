@@ -7,6 +7,7 @@ output is compared with what the README shows and with the arithmetic behind it;
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shlex
@@ -192,3 +193,13 @@ def test_the_benchmarks_readme_indexes_every_report_in_results() -> None:
     index = (ROOT / "benchmarks/README.md").read_text(encoding="utf-8")
     listed = set(re.findall(r"^\| `([^`]+)` \|", index.split("## results/", 1)[1].split("\n## ", 1)[0], flags=re.M))
     assert listed == {path.name for path in (ROOT / "benchmarks/results").iterdir()}
+
+
+def test_the_readme_is_a_short_guide_with_a_short_benchmark_table() -> None:
+    """At most 200 lines; the benchmark table at most 10 rows of one short line each (history lives in
+    benchmarks/README.md)."""
+    assert len(README.splitlines()) <= 200
+    table = section("Benchmarks").split("| benchmark (`benchmarks/...`)", 1)[1].splitlines()[2:]
+    rows = list(itertools.takewhile(lambda line: line.startswith("|"), table))
+    assert 1 <= len(rows) <= 10, f"{len(rows)} rows: keep the newest 10, move the rest to benchmarks/README.md"
+    assert all(len(row) <= 300 for row in rows), max(rows, key=len)
