@@ -123,9 +123,9 @@ def stored_quantization(
         return None
     if quantize != "auto":
         return quantize
-    if reader is not None:
-        return stored_precision(reader)
-    return stored_precision(open_gguf(path)) if path is not None and is_gguf(path) else None
+    if reader is None and path is not None and is_gguf(path):
+        reader = open_gguf(path)
+    return stored_precision(reader) if reader is not None else None
 
 
 def load_quantized(
