@@ -25,6 +25,7 @@ from tformer.data.tokenizer import Tokenizer
 from tformer.decoding import translate_ids
 from tformer.engine import Engine, SamplingParams
 from tformer.engine.async_engine import AsyncEngine
+from tformer.engine.requests import ContextLengthError
 from tformer.serve import create_app
 from tformer.serve.playground import create_dashboard_app
 from tformer.serve.runs import RunsDir
@@ -78,6 +79,34 @@ def test_a_translation_is_the_searchs_with_its_attention_rows_summing_to_one(tra
         assert len(row) == source_len and math.isclose(sum(row), 1.0, abs_tol=1e-5)
     short = translator.post(TRANSLATIONS, json={"input": SENTENCE, "beam_size": 2, "alpha": 1.0, "attention": False})
     assert short.json()["attention"] is None and short.json()["translation"] == answer["translation"]
+
+
+def test_a_target_at_the_context_limit_is_the_offline_searchs_through_the_engine_and_the_route(
+    translator, translator_dir
+) -> None:
+    """An encoder-decoder's target has the decoder's positions to itself, whatever the source's length: the engine
+    allows max_seq_len output tokens, as translate_ids does (it allowed one fewer, and the route searched such
+    sources offline)."""
+    model, tokenizer = load(translator_dir).eval(), Tokenizer.load(translator_dir)
+    limit = model.config.max_seq_len
+    engine = Engine(model, tokenizer)
+    sources = [tokenizer.encode(SENTENCE), tokenizer.encode(" ".join([SENTENCE] * 4))[: limit - 1]]  # + </s>: 48
+    assert engine.context.max_new_tokens(1) == engine.context.max_new_tokens(limit) == limit
+    with pytest.raises(ContextLengthError, match=f"use max_tokens <= {limit}"):
+        engine.add_request(sources[1] + [tokenizer.eos_id], SamplingParams(max_tokens=limit + 1))
+    reached = 0
+    for beam in (1, 2):
+        expected = translate_ids(model, sources, 1, 2, 0, beam_size=beam, alpha=1.0)
+        params = SamplingParams(max_tokens=limit, temperature=0.0, beam_width=beam, length_penalty=1.0)
+        served = engine.generate([source + [tokenizer.eos_id] for source in sources], params)
+        for source, ids, completion in zip(sources, expected, served, strict=True):
+            assert completion.token_ids == ids + [tokenizer.eos_id] * (len(ids) < limit)
+            reached += len(ids) == limit
+            text = tokenizer.decode(source)
+            answer = translator.post(TRANSLATIONS, json={"input": text, "beam_size": beam, "alpha": 1.0}).json()
+            assert answer["translation"] == tokenizer.decode(ids)
+            assert answer["usage"]["completion_tokens"] == len(completion.token_ids)
+    assert reached >= 2  # the random model runs to the limit: the last position is used
 
 
 @pytest.mark.parametrize(

@@ -121,8 +121,8 @@ class Engine:
             window=model.config.shared_window,  # blocks go back only when no layer can see them
             static_batching=self.config.static_batching,
         )
-        self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.context = ContextWindow(self.runner, self.max_model_len)
+        self.outputs = OutputProcessor(tokenizer, self.context)
         self.inputs = InputProcessor(
             self.runner, tokenizer, model.config.vocab_size, self.context, self.scheduler, self.outputs.eos_ids
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tformer.engine.requests import ContextWindow
 from tformer.engine.sampling import SamplingParams, TokenLogprob
 from tformer.engine.scheduler import SequenceState
 from tformer.engine.text import TextCodec, TextTracker
@@ -74,9 +75,9 @@ class OutputProcessor:
     ends the sequence in the scheduler.
     """
 
-    def __init__(self, tokenizer: TextCodec | None, max_model_len: int) -> None:
+    def __init__(self, tokenizer: TextCodec | None, context: ContextWindow) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.context = context
         eos = getattr(tokenizer, "eos_id", None)
         self.eos_ids: set[int] = set() if eos is None else {eos}
         self._texts: dict[tuple[str, int], TextTracker] = {}
@@ -103,7 +104,7 @@ class OutputProcessor:
             reason = "stop"
         elif reason is None and seq.constraint is not None and seq.constraint.finished:
             reason = "stop"  # the structured output is complete: it admits nothing more
-        elif reason is None and (len(seq.output) >= params.max_tokens or seq.length >= self.max_model_len):
+        elif reason is None and (len(seq.output) >= params.max_tokens or self.context.filled(seq)):
             reason = "length"
         if reason is not None and not hit_stop:
             text += tracker.flush()

@@ -91,9 +91,15 @@ class ContextWindow:
         self.max_model_len = max_model_len
 
     def max_new_tokens(self, prompt_len: int) -> int:
-        """How many tokens a prompt of prompt_len tokens leaves in the context (the longest max_tokens)."""
-        decoder_prompt, _ = self.runner.context_lengths(prompt_len)
-        return self.max_model_len - decoder_prompt
+        """How many tokens a prompt of prompt_len tokens leaves in the context (the longest max_tokens): a decoder's
+        prompt and output share it; an encoder-decoder's output has all of it (the decoder's positions are its own)."""
+        taken, _ = self.runner.context_lengths(prompt_len)
+        return self.max_model_len - taken
+
+    def filled(self, seq: SequenceState) -> bool:
+        """Whether `seq`'s output has taken all the room its request's prompt (an encoder-decoder's source) left."""
+        prompt_len = len(seq.prompt) if seq.source is None else len(seq.source)
+        return len(seq.output) >= self.max_new_tokens(prompt_len)
 
     def check(self, prompt_len: int, max_tokens: int, tokens_param: str = "max_tokens") -> None:
         """Raises ContextLengthError when a prompt of prompt_len tokens, or it with max_tokens more, overflows the
@@ -150,8 +156,9 @@ class InputProcessor:
                 "prompt_logprobs score the tokens of a decoder's prompt; an encoder-decoder reads its prompt as the "
                 "source and predicts none of it"
             )
-        # every beam may need its own blocks in the end; a beam group that fits alone can always make progress
-        blocks = self.scheduler.max_blocks_held(len(decoder_prompt) + params.max_tokens) * params.beam_width
+        # every beam may need its own blocks in the end (all its tokens but the last, which is never fed back); a
+        # beam group that fits alone can always make progress
+        blocks = self.scheduler.max_blocks_held(len(decoder_prompt) + params.max_tokens - 1) * params.beam_width
         pool = self.scheduler.allocator.pool.num_blocks
         if blocks > pool:
             raise RequestError(f"the request needs {blocks} KV blocks; the pool has {pool}")

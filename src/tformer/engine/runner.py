@@ -216,7 +216,8 @@ class ModelRunner(Protocol):
         ...
 
     def context_lengths(self, prompt_len: int) -> tuple[int, int]:
-        """(decoder prompt tokens, source tokens) a prompt of prompt_len tokens takes in the context."""
+        """(the positions a prompt of prompt_len tokens takes from its output's room in the context, its source
+        tokens)."""
         ...
 
     def start(self, seq: SequenceState) -> None:
@@ -298,7 +299,9 @@ class Seq2SeqRunner:
         return [bos_id], ids
 
     def context_lengths(self, prompt_len: int) -> tuple[int, int]:
-        return 1, prompt_len
+        # the target's positions are the decoder's own, whatever the source's length: <s> takes position 0, the
+        # output tokens 1.., and the last one is never fed back, so max_model_len of them fit, as translate_ids allows
+        return 0, prompt_len
 
     def packs(self) -> bool:
         """Never: each row's cross-attention reads its own source."""

@@ -22,13 +22,10 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from tformer.data.tokenizer import Tokenizer
 from tformer.decoding.attention_map import EXTRA_LEN, attention_of
-from tformer.decoding.search import translate_ids
 from tformer.engine.async_engine import EngineBusy, EngineStopped, RequestFailed
 from tformer.engine.sampling import SamplingParams
 from tformer.errors import TformerError
-from tformer.models import EncoderDecoder
 from tformer.serve.errors import APIError, install_error_handlers
 from tformer.serve.formats import new_id, usage
 from tformer.serve.middleware import ServerLimits, add_guards
@@ -108,27 +105,26 @@ async def translate(server: Server, body: TranslationRequest) -> dict[str, Any]:
     if not body.input.strip():
         raise APIError(400, "input is empty; give the sentence to translate", param="input")
     source_ids = [*server.encode(body.input, "input"), tokenizer.eos_id]  # the source as `tformer translate` reads it
-    source_len = len(source_ids)
-    if source_len > model.config.max_seq_len:
+    source_len, context = len(source_ids), server.engine.max_model_len
+    if source_len > context:
         raise APIError(
             400,
-            f"the input has {source_len} tokens with </s> but the model reads at most {model.config.max_seq_len}; "
+            f"the input has {source_len} tokens with </s> but the model reads at most {context}; "
             "shorten it (or split it into sentences)",
             param="input",
             code="context_length_exceeded",
         )
-    limit = min(source_len + EXTRA_LEN, model.config.max_seq_len)  # as `tformer translate` allows (translate_ids)
+    # as `tformer translate` allows (translate_ids), within the engine's context (the model's max_seq_len unless
+    # --max-model-len lowers it)
+    limit = min(source_len + EXTRA_LEN, server.engine.context.max_new_tokens(source_len))
+    params = SamplingParams(max_tokens=limit, temperature=0.0)  # beam 1: greedy
+    if body.beam_size > 1:
+        params = SamplingParams(max_tokens=limit, beam_width=body.beam_size, length_penalty=body.alpha)
     started = time.perf_counter()
     output_ids: list[int] = []
     try:
-        if limit <= server.engine.context.max_new_tokens(source_len):
-            params = SamplingParams(max_tokens=limit, temperature=0.0)  # beam 1: greedy
-            if body.beam_size > 1:
-                params = SamplingParams(max_tokens=limit, beam_width=body.beam_size, length_penalty=body.alpha)
-            async for output in server.engine.generate(source_ids, params):
-                output_ids += output.token_ids
-        else:  # the engine's context rule keeps a position less than the search may use: this source goes alone
-            output_ids = await server.engine.call(lambda: search_alone(model, tokenizer, source_ids, limit, body))
+        async for output in server.engine.generate(source_ids, params):
+            output_ids += output.token_ids
         weights = None
         if body.attention:
             weights = await server.engine.call(lambda: attention_of(model, tokenizer, source_ids, output_ids))
@@ -153,23 +149,6 @@ async def translate(server: Server, body: TranslationRequest) -> dict[str, Any]:
         "attention": None if weights is None else weights.weights.tolist(),  # [layer][head][output][source]
         "usage": usage(source_len, len(output_ids)),
     }
-
-
-def search_alone(
-    model: EncoderDecoder, tokenizer: Tokenizer, source_ids: list[int], limit: int, body: TranslationRequest
-) -> list[int]:
-    """The translation of one source by the offline search, with </s> where the search emitted it."""
-    ids = translate_ids(
-        model,
-        [source_ids[:-1]],
-        tokenizer.bos_id,
-        tokenizer.eos_id,
-        tokenizer.pad_id,
-        body.beam_size,
-        body.alpha,
-        extra_len=EXTRA_LEN,
-    )[0]
-    return ids + [tokenizer.eos_id] * (len(ids) < limit)
 
 
 def _add_runs_routes(app: FastAPI, runs: RunsDir | None) -> None:
