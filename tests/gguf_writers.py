@@ -31,6 +31,23 @@ ARCHS = {
     "gpt2": gguf.MODEL_ARCH.GPT2,
 }
 GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+# the GGUF tests' tiny Llama: GQA (4 heads, 2 KV heads), a vocabulary as small as the tiny tokenizers'
+TINY_SIZES = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def tiny_llama(**overrides: Any) -> Any:
+    """A random `transformers` LlamaForCausalLM in eval mode, of TINY_SIZES changed by `overrides` (LlamaConfig's)."""
+    import transformers  # the writers need only gguf; a test that builds a model has transformers
+
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY_SIZES, **overrides})).eval()
 
 
 def llama3_divisors(rope: dict[str, Any], head_dim: int) -> np.ndarray:

@@ -24,22 +24,12 @@ from tformer.interop.hf import FAMILIES as HF_FAMILIES
 
 transformers = pytest.importorskip("transformers")
 
-SIZES = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-    initializer_range=0.15,
-)
+SIZES = {**gguf_writers.TINY_SIZES, "rms_norm_eps": 1e-5, "initializer_range": 0.15}
 IDS = torch.tensor([[5, 17, 3, 88, 41, 9, 60, 2, 71, 33, 12, 50]])
 
 
 def _llama() -> Any:
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, rope_theta=500.0))
+    return gguf_writers.tiny_llama(**SIZES, rope_theta=500.0)
 
 
 def _llama3() -> Any:
@@ -51,7 +41,7 @@ def _llama3() -> Any:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32,
     }
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, rope_parameters=rope))
+    return gguf_writers.tiny_llama(**SIZES, rope_parameters=rope)
 
 
 def _mistral() -> Any:  # llama.cpp writes Mistral as a llama file; a window past the context changes nothing

@@ -287,19 +287,9 @@ def test_a_tied_embedding_is_one_int8_table_built_from_its_blocks(mixed_file: Pa
 
 
 def test_an_untied_head_is_int8_from_its_blocks_and_the_embedding_stays_float(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = gguf_writers.tiny_llama(num_hidden_layers=1, max_position_embeddings=64, tie_word_embeddings=False)
     path = gguf_writers.write(
         tmp_path / "untied.gguf",
         model,

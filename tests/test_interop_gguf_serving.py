@@ -29,17 +29,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [3, 4], list(range(1, 18))]
 @pytest.fixture(scope="module")
 def hf_model():
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.05,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return gguf_writers.tiny_llama(hidden_size=256, intermediate_size=512, initializer_range=0.05)
 
 
 def q4_k_file(model, path: Path) -> Path:

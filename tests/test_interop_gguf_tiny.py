@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import gguf_writers
 import numpy as np
 import pytest
 import torch
@@ -24,28 +25,18 @@ from tformer.models import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-)
+TINY = {**gguf_writers.TINY_SIZES, "intermediate_size": 256, "rms_norm_eps": 1e-5}
 
 
 def tiny_hf_model(tie: bool = False, seed: int = 0) -> Any:
     """A random LlamaForCausalLM with GQA, weights large enough that logits are O(1) and norms not all ones."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
+    model = gguf_writers.tiny_llama(
         **TINY,
         tie_word_embeddings=tie,
         initializer_range=0.15,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0},
     )
-    model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
