@@ -130,9 +130,13 @@ DEFAULT_MEMORY_PROBE = KEPT_MEMORY_PROBE.replace('keep_freed_memory(torch.device
 def test_kept_memory_holds_a_freed_activation_in_the_heap_where_the_default_unmaps_it() -> None:
     """glibc's own accounting (mallinfo2) is the reference: by default a freed 20 MB tensor is unmapped (its
     bytes leave `hblkhd`); after keep_freed_memory it stays in the heap as free space (`fordblks`) for reuse."""
-    default = subprocess.run([sys.executable, "-c", DEFAULT_MEMORY_PROBE], capture_output=True, text=True, check=True)
-    kept = subprocess.run([sys.executable, "-c", KEPT_MEMORY_PROBE], capture_output=True, text=True, check=True)
-    _, unmapped, _ = default.stdout.split()
-    applied, kept_unmapped, heap_free = kept.stdout.split()
+    probes = [  # side by side: each is mostly Python starting and importing torch
+        subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for probe in (DEFAULT_MEMORY_PROBE, KEPT_MEMORY_PROBE)
+    ]
+    (default, _), (kept, _) = outputs = [probe.communicate(timeout=120) for probe in probes]
+    assert [probe.returncode for probe in probes] == [0, 0], outputs
+    _, unmapped, _ = default.split()
+    applied, kept_unmapped, heap_free = kept.split()
     assert int(unmapped) >= 20_000_000  # the reference: glibc unmapped the freed block
     assert applied == "True" and int(kept_unmapped) == 0 and int(heap_free) >= 20_000_000
