@@ -21,10 +21,20 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 TORCHRUN=${TORCHRUN:-$(dirname "$PY")/torchrun}
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
-if ! "$PY" -c "import torch, transformers, tformer" 2>/dev/null; then
+# one Python start (each imports torch, seconds): the imports checked, then the GPU's name (or the error that
+# kept it) and torch's version on a line each
+ABOUT='import torch, transformers, tformer
+try:
+    print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA GPU")
+except Exception as err:
+    print(f"{type(err).__name__}: {err}".replace("\n", " "))
+print(torch.__version__, "CUDA", torch.version.cuda)'
+if ! about=$("$PY" -c "$ABOUT" 2>/dev/null); then
   echo "gpu_check: $PY cannot import torch, transformers and tformer; give PYTHON=... with them installed" >&2
   exit 2
 fi
+gpu=$(sed -n 1p <<<"$about")
+torch_version=$(sed -n 2p <<<"$about")
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 if ((DRY)); then
@@ -57,8 +67,6 @@ report() {
   SUMMARY+=("$line")
 }
 
-gpu=$($PY -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA GPU')" 2>&1)
-torch_version=$($PY -c "import torch; print(torch.__version__, 'CUDA', torch.version.cuda)" 2>&1)
 if ((!DRY)) && [[ $gpu == "no CUDA GPU" ]]; then
   echo "gpu_check: no CUDA GPU here ($torch_version); run it on a GPU machine, or with --dry-run on the CPU" >&2
   exit 2
