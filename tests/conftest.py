@@ -126,6 +126,15 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def dist_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The distributed tests' recipe and its run in one process, the curve their ranks and nodes follow
+    (test_distributed.py, test_multinode.py): trained once a session."""
+    from test_distributed import one_process_reference
+
+    return one_process_reference(tmp_path_factory.mktemp("dist"))
+
+
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
