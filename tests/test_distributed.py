@@ -62,19 +62,22 @@ def assert_same_curve(run_dir: Path, reference: Path, steps: range) -> None:
         assert got[step] == pytest.approx(expected[step], rel=LOSS_TOLERANCE), f"step {step}"
 
 
-@pytest.fixture(scope="module")
-def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two batches a step (grad_accum 2), so that 2 data-parallel ranks each train on one."""
-    return write_recipe(
-        tmp_path_factory.mktemp("dist"), max_steps=STEPS, save_every=RESUME_AT, log_every=1, grad_accum=2, keep_last=5
-    )
+def one_process_reference(directory: Path) -> tuple[Path, Path]:
+    """The recipe in `directory` and its run in one process (conftest's `dist_reference` shares them with
+    test_multinode.py): two batches a step (grad_accum 2), so that 2 data-parallel ranks each train on one."""
+    recipe = write_recipe(directory, max_steps=STEPS, save_every=RESUME_AT, log_every=1, grad_accum=2, keep_last=5)
+    train(recipe, directory / "single")
+    return recipe, directory / "single"
 
 
 @pytest.fixture(scope="module")
-def reference(recipe: Path) -> Path:
-    run_dir = recipe.parent / "single"
-    train(recipe, run_dir)
-    return run_dir
+def recipe(dist_reference: tuple[Path, Path]) -> Path:
+    return dist_reference[0]
+
+
+@pytest.fixture(scope="module")
+def reference(dist_reference: tuple[Path, Path]) -> Path:
+    return dist_reference[1]
 
 
 STRATEGIES = {  # name -> (ranks, overrides)

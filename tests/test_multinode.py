@@ -19,8 +19,8 @@ from tempfile import TemporaryFile
 
 import pytest
 from conftest import free_port
-from helpers import ENV, run_processes, torchrun, write_recipe
-from test_distributed import NO_DROPOUT, RESUME_AT, STEPS, assert_same_curve, copy_checkpoint, losses, train
+from helpers import ENV, run_processes, torchrun
+from test_distributed import NO_DROPOUT, RESUME_AT, STEPS, assert_same_curve, copy_checkpoint, losses
 
 from tformer.checkpoints import checkpoint_dir, list_checkpoints
 from tformer.training.sharded import SHARDED_DIR
@@ -73,22 +73,13 @@ def train_args(recipe: Path, run_dir: Path, *overrides: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_recipe(
-        tmp_path_factory.mktemp("multinode"),
-        max_steps=STEPS,
-        save_every=RESUME_AT,
-        log_every=1,
-        grad_accum=2,
-        keep_last=5,
-    )
+def recipe(dist_reference: tuple[Path, Path]) -> Path:
+    return dist_reference[0]  # test_distributed.py's recipe; the run directories here have names of their own
 
 
 @pytest.fixture(scope="module")
-def one_process(recipe: Path) -> Path:
-    run_dir = recipe.parent / "one-process"
-    train(recipe, run_dir)
-    return run_dir
+def one_process(dist_reference: tuple[Path, Path]) -> Path:
+    return dist_reference[1]
 
 
 @pytest.fixture(scope="module")
