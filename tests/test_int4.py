@@ -8,7 +8,16 @@ import torch
 from torch import nn
 
 from tformer.kernels import int4
-from tformer.kernels.int4 import BLOCK, Int4Linear, dequantize, int4_matmul, kernel, pack, unpack
+from tformer.kernels.int4 import (
+    BLOCK,
+    Int4Linear,
+    dequantize,
+    int4_grouped_matmul,
+    int4_matmul,
+    kernel,
+    pack,
+    unpack,
+)
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="no C++ compiler to build the kernel with")
 
@@ -60,6 +69,34 @@ def test_a_rows_result_is_its_own_whatever_the_batch() -> None:
     together = int4_matmul(x, packed)
     for rows in (slice(0, 1), slice(1, 5), slice(3, 10), slice(10, 11)):
         assert torch.equal(int4_matmul(x[rows], packed), together[rows])
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["vectorized", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("counts", [[1], [1, 1], [0, 3, 7, 1], [13, 0, 0, 6], [40, 33, 2, 9]])
+def test_grouped_rows_are_each_groups_own_matmul(counts: list[int], dtype: torch.dtype, portable: bool) -> None:
+    """A mixture's experts in one call: each group of rows times its own weight, bit for bit what one matmul per
+    group gives (which the formula tests check), whatever the groups' sizes, empty ones included."""
+    weights = [pack(*random_chunks(48, 96, seed=g)) for g in range(len(counts))]
+    x = (torch.randn(sum(counts), 96) * torch.logspace(-2, 1, sum(counts))[:, None]).to(dtype)
+    out = int4_grouped_matmul(x, weights, counts, portable)
+    each = [int4_matmul(rows, w, portable) for rows, w in zip(x.split(counts), weights, strict=True)]
+    assert out.dtype == dtype and torch.equal(out, torch.cat(each))
+
+
+def test_grouped_layers_refuse_what_they_cannot_group() -> None:
+    """`Int4Linear.grouped` runs Int4Linear layers of one shape without biases, else gives None (the caller runs
+    each layer); the op refuses counts that do not cover x's rows and weights of other shapes."""
+    plain = [Int4Linear(nn.Linear(64, 32, bias=False)) for _ in range(2)]
+    x = torch.randn(3, 64)
+    out = Int4Linear.grouped(plain, x, [2, 1])
+    assert torch.equal(out, torch.cat([plain[0](x[:2]), plain[1](x[2:])]))
+    assert Int4Linear.grouped([plain[0], Int4Linear(nn.Linear(64, 32))], x, [2, 1]) is None  # a bias
+    assert Int4Linear.grouped([plain[0], Int4Linear(nn.Linear(64, 48, bias=False))], x, [2, 1]) is None
+    with pytest.raises(ValueError, match="counts must sum to x's rows"):
+        int4_grouped_matmul(x, [p.packed for p in plain], [1, 1])
+    with pytest.raises(ValueError, match="each packed weight"):
+        int4_grouped_matmul(x, [plain[0].packed, pack(*random_chunks(48, 64))], [2, 1])
 
 
 def test_pack_and_unpack_are_inverses_and_dequantize_is_the_formula() -> None:

@@ -375,6 +375,34 @@ def test_quantized_experts_serve_like_their_uncached_forward(mode: str, dtype: s
         assert len(result.token_ids) == 8 and greedy_within_rounding(model, prompt, result.token_ids, margin)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_int4_experts_run_grouped_and_equal_each_expert_on_its_tokens(tokens: int, dtype: str) -> None:
+    """Served INT4 experts (gate and up fused) run as one grouped gate/up call, one activation and one grouped down
+    call (an INT8 down, as a GGUF file's Q6_K layers have, one call per expert): each token's mixture is, bit for
+    bit, its k experts' own forwards mixed with its weights, as the dense reference mixes them."""
+    model = set_precision(make_model(moe_config()), dtype, "int4")
+    layers = moe_layers(model)
+    for expert in layers[1].experts:  # layer 1: INT8 downs under the INT4 gate/up
+        expert.down_proj = Int8Linear(torch.nn.Linear(64, 32, bias=False))
+    calls: list[int] = []
+    for layer in layers:
+        for expert in layer.experts:
+            expert.register_forward_hook(lambda module, args, out: calls.append(1))
+    x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(2)).to(getattr(torch, dtype))
+    with torch.no_grad():
+        for layer in layers:
+            weights, experts = layer.route(layer.router(x), layer.top_k)
+            _, out = layer.mix(x, weights, experts)
+            assert not calls  # no expert module ran: the grouped calls did
+            outputs = [
+                torch.cat([layer.experts[e](x[i : i + 1]) for e in experts[i].tolist()]) for i in range(tokens)
+            ]  # (k, d) per token, each expert's own forward
+            assert torch.equal(out, (torch.stack(outputs) * weights[..., None]).sum(1))
+            torch.testing.assert_close(out.double(), dense_reference(layer, x, "topk-softmax"), atol=1e-5, rtol=1e-5)
+            calls.clear()
+
+
 def moe_layers(model: torch.nn.Module) -> list[MixtureOfExperts]:
     return [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
 

@@ -1,8 +1,12 @@
 // INT4 weights times int8 activations on the CPU's integer dot-product units: see int4.py for the format.
 // Built by tformer.inference.native.load with the machine's C++ compiler (-O3 -march=native -fopenmp), against
 // torch's stable C ABI, which registers the op below.
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 #include <cstring>
 #include <stdexcept>
 #include <type_traits>
@@ -176,27 +180,60 @@ static inline void tile_rows(const uint8_t* w_tile, int64_t blocks, const int8_t
     for (int r = 0; r < R; ++r) store16(out + r * N, _mm512_fmadd_ps(coarse_acc[r], _mm512_set1_ps(FINE), fine_acc[r]));
 }
 
+// Output rows t*16 .. t*16+15 (the tile at w_tile) for all M rows of the quantized activations, ROWS at a time.
+template <typename T>
+static inline void tile_all_rows(const uint8_t* w_tile, int64_t M, int64_t K, int64_t N, const int8_t* q,
+                                 const float* d, const float* sums, T* out_tile) {
+    const int64_t blocks = K / BLOCK;
+    int64_t m = 0;
+    const auto rows = [&](auto r) {
+        constexpr int R = decltype(r)::value;
+        tile_rows<R>(w_tile, blocks, q + 2 * m * K, d + m * blocks, sums + m * blocks, K, N, out_tile + m * N);
+        m += R;
+    };
+    while (M - m >= ROWS) rows(std::integral_constant<int, ROWS>());
+    switch (M - m) {  // the last rows, fewer than ROWS, in one pass
+        case 5: rows(std::integral_constant<int, 5>()); break;
+        case 4: rows(std::integral_constant<int, 4>()); break;
+        case 3: rows(std::integral_constant<int, 3>()); break;
+        case 2: rows(std::integral_constant<int, 2>()); break;
+        case 1: rows(std::integral_constant<int, 1>());
+    }
+}
+
 template <typename T>
 static void matmul_vnni(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, T* out, int threads,
                         int8_t* q, float* d, float* sums) {
     const int64_t blocks = K / BLOCK, tiles = N / TILE;
     quantize_blocks(x, M * blocks, q, d, sums, threads);
     #pragma omp parallel for num_threads(threads) schedule(static) if (tiles * M > 4)
-    for (int64_t t = 0; t < tiles; ++t) {
-        const uint8_t* w_tile = w + t * blocks * CHUNK;
-        int64_t m = 0;
-        const auto rows = [&](auto r) {
-            constexpr int R = decltype(r)::value;
-            tile_rows<R>(w_tile, blocks, q + 2 * m * K, d + m * blocks, sums + m * blocks, K, N, out + m * N + t * TILE);
-            m += R;
-        };
-        while (M - m >= ROWS) rows(std::integral_constant<int, ROWS>());
-        switch (M - m) {  // the last rows, fewer than ROWS, in one pass
-            case 5: rows(std::integral_constant<int, 5>()); break;
-            case 4: rows(std::integral_constant<int, 4>()); break;
-            case 3: rows(std::integral_constant<int, 3>()); break;
-            case 2: rows(std::integral_constant<int, 2>()); break;
-            case 1: rows(std::integral_constant<int, 1>());
+    for (int64_t t = 0; t < tiles; ++t) tile_all_rows(w + t * blocks * CHUNK, M, K, N, q, d, sums, out + t * TILE);
+}
+
+// Groups of rows, each times its own weight (a mixture's experts over the tokens routed to each): group g's rows
+// are starts[g] .. starts[g + 1] - 1 of x and of out. The activations are quantized in one pass and all groups'
+// tiles run in one parallel region; each thread takes a contiguous run of (group, tile) units holding its share of
+// the rows x tiles, so that uneven groups still split evenly and a thread still streams its weights in order.
+// Each row's numbers are those of `matmul_vnni` on its group alone (rows never depend on other rows).
+template <typename T>
+static void grouped_vnni(const T* x, const int64_t* starts, int64_t G, int64_t K, const uint8_t* const* w,
+                         int64_t N, T* out, int threads, int8_t* q, float* d, float* sums) {
+    const int64_t blocks = K / BLOCK, tiles = N / TILE, M = starts[G], total = M * tiles;
+    quantize_blocks(x, M * blocks, q, d, sums, threads);
+    #pragma omp parallel num_threads(threads) if (total > 4)
+    {
+        const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
+        const int64_t begin = total * i / n, end = total * (i + 1) / n;  // this thread's share of the work
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t count = starts[g + 1] - starts[g], base = starts[g] * tiles;
+            if (count == 0 || base >= end || base + count * tiles <= begin) continue;
+            // the units (g, t) whose work starts, at base + t * count, inside [begin, end)
+            const int64_t first = begin > base ? (begin - base + count - 1) / count : 0;
+            const int64_t last = std::min(tiles, (end - base + count - 1) / count);
+            const int64_t row = starts[g];
+            for (int64_t t = first; t < last; ++t)
+                tile_all_rows(w[g] + t * blocks * CHUNK, count, K, N, q + 2 * row * K, d + row * blocks,
+                              sums + row * blocks, out + row * N + t * TILE);
         }
     }
 }
@@ -397,4 +434,65 @@ static Tensor int4_matmul_op(Tensor x, Tensor packed, int64_t out_features, bool
     return out;
 }
 
-STABLE_TORCH_LIBRARY_IMPL(tformer, CPU, m) { m.impl("int4_matmul", TORCH_BOX(&int4_matmul_op)); }
+// Groups of rows of x (M, K), each times its own packed weight: starts (G + 1) the groups' first rows, then M.
+// Returns 0, or -1 (computing nothing) when the scratch for the quantized activations cannot be allocated.
+template <typename T>
+static int grouped(const T* x, const int64_t* starts, int64_t G, int64_t K, const uint8_t* const* w, int64_t N,
+                   T* out, int threads, bool portable) {
+    const int64_t M = starts[G], count = M * (K / BLOCK);
+    if (count == 0) return 0;
+#ifdef TFORMER_VNNI
+    if (!portable) {
+        const int64_t q_bytes = ((2 * M * K + 63) / 64) * 64;
+        const ScratchMemory scratch(q_bytes + 2 * count * sizeof(float));
+        int8_t* q = static_cast<int8_t*>(scratch.data());
+        if (q == nullptr) return -1;
+        float* scales = reinterpret_cast<float*>(q + q_bytes);
+        grouped_vnni(x, starts, G, K, w, N, out, threads, q, scales, scales + count);
+        return 0;
+    }
+#endif
+    for (int64_t g = 0; g < G; ++g)  // elsewhere one matmul per group
+        if (matmul(x + starts[g] * K, starts[g + 1] - starts[g], K, w[g], N, out + starts[g] * N, threads, portable))
+            return -1;
+    return 0;
+}
+
+// tformer::int4_grouped_matmul(Tensor x, Tensor[] packed, int[] counts, int out_features, bool portable=False)
+// -> Tensor, defined in int4.py: rows counts[0] of x times packed[0], the next counts[1] times packed[1], ...
+static Tensor int4_grouped_matmul_op(Tensor x, std::vector<Tensor> packed, std::vector<int64_t> counts,
+                                     int64_t out_features, bool portable) {
+    using torch::headeronly::ScalarType;
+    const bool bf16 = x.scalar_type() == ScalarType::BFloat16;
+    if (!bf16 && x.scalar_type() != ScalarType::Float)
+        throw std::invalid_argument("int4_grouped_matmul: x must be bfloat16 or float32");
+    if (x.dim() != 2 || packed.size() != counts.size() || out_features % TILE)
+        throw std::invalid_argument("int4_grouped_matmul: x (M, K) and one packed weight per count");
+    if (!x.is_contiguous()) x = torch::stable::contiguous(x);
+    const int64_t G = int64_t(packed.size()), M = x.size(0), K = x.size(1), N = out_features;
+    std::vector<int64_t> starts(G + 1, 0);
+    std::vector<const uint8_t*> w(G);
+    for (int64_t g = 0; g < G; ++g) {
+        const Tensor& p = packed[g];
+        if (p.scalar_type() != ScalarType::Byte || p.dim() != 3 || p.size(0) != N / TILE || p.size(1) * BLOCK != K ||
+            p.size(2) != CHUNK || !p.is_contiguous() || counts[g] < 0)
+            throw std::invalid_argument("int4_grouped_matmul: each packed weight contiguous uint8 chunks (N / 16, "
+                                        "K / 32, 320) for N = out_features, and counts >= 0");
+        starts[g + 1] = starts[g] + counts[g];
+        w[g] = static_cast<const uint8_t*>(p.data_ptr());
+    }
+    if (starts[G] != M) throw std::invalid_argument("int4_grouped_matmul: the counts must sum to x's rows");
+    Tensor out = torch::stable::new_empty(x, {M, N});
+    const int threads = int(torch::stable::get_num_threads());
+    const int status = bf16 ? grouped(static_cast<const uint16_t*>(x.data_ptr()), starts.data(), G, K, w.data(), N,
+                                      static_cast<uint16_t*>(out.data_ptr()), threads, portable)
+                            : grouped(static_cast<const float*>(x.data_ptr()), starts.data(), G, K, w.data(), N,
+                                      static_cast<float*>(out.data_ptr()), threads, portable);
+    if (status) throw std::runtime_error("int4_grouped_matmul: no memory for the quantized activations");
+    return out;
+}
+
+STABLE_TORCH_LIBRARY_IMPL(tformer, CPU, m) {
+    m.impl("int4_matmul", TORCH_BOX(&int4_matmul_op));
+    m.impl("int4_grouped_matmul", TORCH_BOX(&int4_grouped_matmul_op));
+}

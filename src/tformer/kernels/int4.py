@@ -81,10 +81,20 @@ def dequantize(packed: torch.Tensor) -> torch.Tensor:
 
 _LIBRARY = torch.library.Library("tformer", "FRAGMENT")
 _LIBRARY.define("int4_matmul(Tensor x, Tensor packed, int out_features, bool portable=False) -> Tensor")
+_LIBRARY.define(
+    "int4_grouped_matmul(Tensor x, Tensor[] packed, int[] counts, int out_features, bool portable=False) -> Tensor"
+)
 
 
 @torch.library.register_fake("tformer::int4_matmul")
 def _(x: torch.Tensor, packed: torch.Tensor, out_features: int, portable: bool = False) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+@torch.library.register_fake("tformer::int4_grouped_matmul")
+def _(
+    x: torch.Tensor, packed: list[torch.Tensor], counts: list[int], out_features: int, portable: bool = False
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 
@@ -96,6 +106,18 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, portable: bool = False) -
     if not available():
         raise RuntimeError("int4_matmul: the INT4 kernel could not be built here (see the log)")
     return torch.ops.tformer.int4_matmul(x, packed, packed.shape[0] * TILE, portable)
+
+
+def int4_grouped_matmul(
+    x: torch.Tensor, packed: list[torch.Tensor], counts: list[int], portable: bool = False
+) -> torch.Tensor:
+    """Groups of rows of x (M, K), each times its own weight: the first counts[0] rows times the weight packed[0]
+    stands for (transposed), the next counts[1] times packed[1], and so on; (M, N) in x's dtype. Every row's numbers
+    are those of `int4_matmul` on its group alone, but the activations are rounded in one pass and all groups run in
+    one parallel region: a mixture's experts over the tokens routed to each, in one call."""
+    if not available():
+        raise RuntimeError("int4_grouped_matmul: the INT4 kernel could not be built here (see the log)")
+    return torch.ops.tformer.int4_grouped_matmul(x, packed, counts, packed[0].shape[0] * TILE, portable)
 
 
 class Int4Linear(nn.Module):
@@ -164,6 +186,20 @@ class Int4Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         return dequantize(self.packed)
+
+    @staticmethod
+    def grouped(layers: list[nn.Module], x: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """The first counts[0] rows of x (M, K) through layers[0], the next counts[1] through layers[1], ...: (M, N)
+        in one kernel call (`int4_grouped_matmul`), each row as its layer's forward gives it; None where that call
+        does not apply (another kind of layer, other shapes, biases, or no kernel), for the caller to run each."""
+        first = layers[0]
+        if not (dispatch.native(x.device) and x.dtype in KERNEL_DTYPES and x.dim() == 2 and available()):
+            return None
+        for layer in layers:
+            same = type(layer) is Int4Linear and layer.packed.shape == first.packed.shape
+            if not same or layer.bias is not None or not layer.packed.is_contiguous():
+                return None
+        return torch.ops.tformer.int4_grouped_matmul(x, [layer.packed for layer in layers], counts, first.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -163,10 +163,32 @@ class MixtureOfExperts(nn.Module):
         (N, d) and their routing (N, k)."""
         if x.shape[0] != 1:
             return self.grouped(x, weights, experts)
-        # batch-1 decode: the token's k experts in turn, nothing to group or scatter
+        # batch-1 decode: the token's k (distinct) experts, one row each, nothing to sort or scatter
         chosen = experts[0].tolist()
-        outputs = torch.cat([self.experts[e](x) for e in chosen])  # (k, d)
+        outputs = self.run_experts(chosen, x.expand(len(chosen), -1), [1] * len(chosen))  # (k, d)
         return chosen, (weights.T * outputs).sum(0, keepdim=True)  # (1, d), mixed in fp32
+
+    def run_experts(self, ran: list[int], rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The first counts[0] rows (of rows (R, d)) through expert ran[0], the next counts[1] through ran[1], ...:
+        (R, d). Gated experts whose layers multiply groups of rows in one call (a `grouped` static method, as
+        quantized serving layers have) run as two such calls and one activation over all rows, each row's numbers
+        those of its expert's forward; any other experts run one by one."""
+        experts = [self.experts[e] for e in ran]
+        first = experts[0]
+        if isinstance(first, GatedMLP) and all(
+            type(e) is type(first) and e.gate_up_proj is not None and e.fused_gate is first.fused_gate for e in experts
+        ):
+            gate_up = _grouped_linear([e.gate_up_proj for e in experts], rows, counts)
+            if gate_up is not None:
+                gate, up = gate_up.chunk(2, dim=-1)
+                hidden = first.fused_gate(gate, up) if first.fused_gate is not None else None
+                if hidden is None:
+                    hidden = first.act(gate) * up
+                out = _grouped_linear([e.down_proj for e in experts], hidden, counts)
+                if out is not None:
+                    return out
+                return torch.cat([e.down_proj(h) for e, h in zip(experts, hidden.split(counts), strict=True)])
+        return torch.cat([expert(r) for expert, r in zip(experts, rows.split(counts), strict=True)])
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Several tokens: the N * k (token, slot) pairs sorted by expert, so that each expert's rows are one
@@ -176,13 +198,20 @@ class MixtureOfExperts(nn.Module):
         flat = experts.flatten()  # (N * k,)
         order = flat.argsort(stable=True)  # the pairs grouped by expert: expert e takes the next counts[e]
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # the one host sync
-        rows = x.index_select(0, order // self.top_k).split(counts)  # (counts[e], d) views
+        rows = x.index_select(0, order // self.top_k)  # (N * k, d): expert e's counts[e] rows after e - 1's
         ran = [e for e, count in enumerate(counts) if count]
         if not ran:  # no tokens at all
             return ran, torch.zeros_like(x, dtype=weights.dtype)
-        outputs = torch.cat([self.experts[e](rows[e]) for e in ran])  # (N * k, d) in expert order
+        outputs = self.run_experts(ran, rows, [counts[e] for e in ran])  # (N * k, d) in expert order
         mixed = torch.empty_like(outputs).index_copy_(0, order, outputs).view(n, self.top_k, d)
         return ran, (mixed * weights[..., None]).sum(1)
+
+
+def _grouped_linear(layers: list[nn.Module], x: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+    """counts[i] rows of x after another through layers[i], in one call where the layers' kind offers one (a static
+    method `grouped(layers, x, counts)`, which gives None where it does not apply), else None."""
+    grouped = getattr(type(layers[0]), "grouped", None)
+    return None if grouped is None else grouped(layers, x, counts)
 
 
 # Each MixtureOfExperts by its key, for the op below; a layer leaves when it is freed
