@@ -5,9 +5,11 @@ What each type keeps (docs/interop.md, "Each type in its kernel"):
 - Q4_0 and Q4_1 are INT4's groups of 32 exactly: the layer's weights equal the file's bit for bit.
 - Q4_K's groups of 32 are exact in q; each group's d * scale and dmin * minimum (float32 products of a 6-bit
   integer and an fp16) are rounded to INT4's fp16, so the weights are q * fp16(s) + fp16(m), bit for bit.
-- Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 serve as INT8 (INT8 has one scale per row, the blocks one per 16 or 32 weights;
-  --quantize int4 sends the 5-bit ones to INT4, whose 4 bits they do not fit): requantized from their dequantized
-  rows, a few rows at a time, the numbers equal those of the layer quantized from the whole float weight.
+- Q6_K serves as stored (`kernels/q6k.py`, its tests in test_q6k_kernel.py): the file's bits, a tied Q6_K head too.
+- Q5_0, Q5_1, Q5_K and Q8_0 serve as INT8 (INT8 has one scale per row, the blocks one per 16 or 32 weights;
+  --quantize int4 sends the 5-bit ones to INT4, whose 4 bits they do not fit), as Q6_K does under --quantize int8:
+  requantized from their dequantized rows, a few rows at a time, the numbers equal those of the layer quantized
+  from the whole float weight.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tformer.engine.loading import load_quantized, stored_layer
 from tformer.interop.gguf import GGUFError, StoredLinear, from_gguf, open_gguf, stored_linears
 from tformer.kernels import int4
 from tformer.kernels.int4 import Int4Linear
+from tformer.kernels.q6k import Q6KLinear
 from tformer.kernels.quantize import Int8Linear, RowsEmbedding, set_precision
 
 pytestmark = pytest.mark.skipif(int4.kernel() is None, reason="no C++ compiler to build the INT4 kernel with")
@@ -182,6 +185,16 @@ MIXED = {  # a Q4_K_M-like mix, one type a tensor, q and k permuted as llama.cpp
 
 @pytest.fixture(scope="module")
 def mixed_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_mixed(tmp_path_factory.mktemp("mixed") / "mixed.gguf", MIXED)
+
+
+@pytest.fixture(scope="module")
+def q6k_head_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The mix with the tied embedding (and so the head) in Q6_K, as a Llama 3.2 Q4_K_M file keeps it."""
+    return write_mixed(tmp_path_factory.mktemp("q6k_head") / "q6k_head.gguf", {**MIXED, "token_embd": Q.Q6_K})
+
+
+def write_mixed(path: Path, mix: dict[str, Q]) -> Path:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.Qwen2Config(  # q/k/v biases: a replaced layer must keep them
@@ -201,7 +214,8 @@ def mixed_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tensors = gguf_writers.tensors(model, "qwen2")
     types, overrides = {}, {}
     for name, value in tensors.items():
-        kind = MIXED.get(name.split(".")[2]) if name.startswith("blk.") and value.ndim == 2 else None
+        short = name.split(".")[2] if name.startswith("blk.") else name.split(".")[0]
+        kind = mix.get(short) if value.ndim == 2 else None
         if kind is not None:
             types[name] = kind
             if kind == Q.Q4_K:
@@ -214,7 +228,6 @@ def mixed_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     scale = np.full(len(raw), 1e-3, np.float16)
                     raw[:, start : start + 2] = scale.view(np.uint8).reshape(-1, 2)
                 overrides[name] = raw.reshape(value.shape[0], -1)
-    path = tmp_path_factory.mktemp("mixed") / "mixed.gguf"
     return gguf_writers.write(
         path, model, "qwen2", Q.F32, tensors_override=overrides, types=types, keys=gguf_writers.TINY_TOKENIZER
     )
@@ -237,10 +250,11 @@ def test_a_file_loads_each_layer_in_its_own_types_kernel_with_its_bias(mixed_fil
     reference = from_gguf(mixed_file)
     model, _ = load_quantized(mixed_file, "int4", as_stored=True)
     i4, i8 = Int4Linear, Int8Linear
-    assert layer_types(model) == {"q": i4, "k": i4, "v": i8, "o": i8, "gate": i8, "up": i8, "down": i4}
+    assert layer_types(model) == {"q": i4, "k": i4, "v": Q6KLinear, "o": i8, "gate": i8, "up": i8, "down": i4}
     ours, theirs = model.decoder.layers[1].self_attn, reference.decoder.layers[1].self_attn
     for name in ("q_proj", "k_proj", "v_proj"):
         assert torch.equal(getattr(ours, name).bias, getattr(theirs, name).bias)
+    assert torch.equal(ours.v_proj.dequantized(), theirs.v_proj.weight)  # Q6_K as stored: the file's bits
     # q in Q4_K (fp16 scales) and k in Q4_0 (exact): the row permutation undone on the blocks, as on floats
     assert torch.equal(ours.k_proj.dequantized(), theirs.k_proj.weight)
     q, scales, minimums = stored_linears(open_gguf(mixed_file))[
@@ -305,3 +319,28 @@ def test_an_untied_head_is_int8_from_its_blocks_and_the_embedding_stays_float(tm
     assert torch.equal(ours.lm_head.packed, expected.packed) and torch.equal(ours.lm_head.scales, expected.scales)
     assert type(ours.decoder.tokens) is nn.Embedding
     assert torch.equal(ours.decoder.tokens.weight, reference.decoder.tokens.weight)
+
+
+def test_a_tied_q6_k_head_is_the_files_blocks_and_the_embedding_reads_its_rows(q6k_head_file: Path) -> None:
+    """As stored, a Q6_K token_embd becomes a Q6_K head (the file's bits) that the embedding looks its rows up in,
+    and the model's logits stay within 1e-3 of the dequantized float model's on the layers that are Q6_K or exact,
+    0.05 with the requantized ones (INT8 rows, Q4_K's fp16 scales); under --quantize int8 the head is INT8."""
+    reference = from_gguf(q6k_head_file)
+    model, _ = load_quantized(q6k_head_file, "int4", as_stored=True)
+    head, table = model.lm_head, model.decoder.tokens
+    assert isinstance(head, Q6KLinear) and isinstance(table, RowsEmbedding) and table.head is head
+    assert torch.equal(head.dequantized(), reference.lm_head.weight)
+    ids = torch.tensor([[5, 17, 3, 95, 0, 42]])
+    assert torch.equal(table(ids), reference.decoder.tokens.weight[ids])
+    vocab_floats = reference.decoder.tokens.weight.numel()
+    assert all(t.numel() < vocab_floats for t in [*model.parameters(), *model.buffers()] if t.is_floating_point())
+    with torch.no_grad():
+        expected = reference(ids)
+        hidden = reference.decoder(ids)
+        served = set_precision(model, "float32", "int4")
+        error = (served(ids) - expected).abs().max() / expected.abs().max()
+        assert error < 0.05, error
+        head_error = (head(hidden) - reference.lm_head(hidden)).abs().max() / expected.abs().max()
+        assert head_error < 1e-3, head_error  # the Q6_K kernel alone: the activations' two int8 steps
+    every_int8, _ = load_quantized(q6k_head_file, "int8")
+    assert isinstance(every_int8.lm_head, Int8Linear) and Q6KLinear not in set(layer_types(every_int8).values())

@@ -32,6 +32,7 @@ from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.kernels.dispatch import resolve_device
 from tformer.kernels.int4 import BLOCK as INT4_BLOCK
 from tformer.kernels.int4 import TILE as INT4_TILE
+from tformer.kernels.q6k import Q6KLinear, fits
 from tformer.kernels.quantize import (
     WEIGHT_DTYPES,
     Int4Linear,
@@ -139,9 +140,10 @@ def load_quantized(
 
     Unquantized weights load in the serving dtype itself. INT4 and INT8 from a GGUF file are built from each
     layer's blocks (`stored_layer`), with no float copy of the model; with `as_stored` (`--quantize auto`) each
-    layer takes the kernel its own type maps to (`STORED_PRECISION`: a Q4_K_M file's Q6_K layers INT8, its Q4_K
-    ones INT4), else every layer takes `quantize`. The output head is INT8 from its blocks too (`stored_head`), and a
-    tied embedding reads its rows from it. Other quantizations read float32 weights (rounding them once)."""
+    layer takes the kernel its own type maps to (`STORED_PRECISION`: a Q4_K_M file's Q4_K layers INT4, its Q6_K
+    ones Q6_K as stored), else every layer takes `quantize`. The output head is built from its blocks too
+    (`stored_head`): as stored where it is Q6_K and `as_stored`, else INT8; a tied embedding reads its rows from it.
+    Other quantizations read float32 weights (rounding them once)."""
     if quantize is None:
         return load_pretrained(path, WEIGHT_DTYPES[resolve_dtype(dtype, quantize)])
     if quantize not in ("int4", "int8") or not is_gguf(path):
@@ -159,26 +161,32 @@ def load_quantized(
             continue
         kind = STORED_PRECISION.get(weight.kind, quantize) if as_stored else quantize
         setattr(module, child, stored_layer(weight, kind, getattr(module, child).bias))
-    if head is not None:  # INT8 as `quantize` makes a head, and a tied embedding's rows read from it
+    if head is not None:  # Q6_K as stored or INT8 as `quantize` makes a head, and a tied embedding's rows from it
         blocks, embedding = head
         table = None if embedding is None else model.get_submodule(embedding.removesuffix(".weight"))
-        model.lm_head = Int8Linear.from_chunks(blocks.chunks(), bias=model.lm_head.bias)
+        kind = STORED_PRECISION.get(blocks.kind) if as_stored else None
+        model.lm_head = stored_layer(blocks, "q6k" if kind == "q6k" else "int8", model.lm_head.bias)
         if table is not None:
             tie_quantized_embeddings(model, {id(table.weight): model.lm_head})
     return model, tokenizer_from_gguf(path, reader)
 
 
-def stored_layer(weight: StoredLinear, kind: str, bias: torch.Tensor | None = None) -> Int4Linear | Int8Linear:
-    """An 'int4' or 'int8' layer from a GGUF weight's blocks. INT4 takes Q4_0, Q4_1 and Q4_K groups as they are
-    (their fp16 scale and minimum per 32 weights; Q4_K's d * scale is rounded to fp16 on the way) and
-    requantizes other types' dequantized rows in groups of 32. INT8 requantizes the rows to one scale per row,
-    as the float path would. A weight INT4's kernel cannot take (out features not a multiple of 16) is INT8."""
+def stored_layer(
+    weight: StoredLinear, kind: str, bias: torch.Tensor | None = None
+) -> Int4Linear | Int8Linear | Q6KLinear:
+    """An 'int4', 'int8' or 'q6k' layer from a GGUF weight's blocks. INT4 takes Q4_0, Q4_1 and Q4_K groups as they
+    are (their fp16 scale and minimum per 32 weights; Q4_K's d * scale is rounded to fp16 on the way) and
+    requantizes other types' dequantized rows in groups of 32. 'q6k' takes Q6_K blocks as they are (`Q6KLinear`).
+    INT8 requantizes the rows to one scale per row, as the float path would. A weight INT4's or Q6_K's kernel
+    cannot take (out features not a multiple of 16; for Q6_K also another type) is INT8."""
     out_f, in_f = weight.shape
     if kind == "int4" and out_f % INT4_TILE == 0 and in_f % INT4_BLOCK == 0:
         groups = weight.int4_groups()
         if groups is not None:
             return Int4Linear.from_groups(*groups, bias=bias)
         return Int4Linear.from_chunks(weight.chunks(), bias=bias)
+    if kind == "q6k" and STORED_PRECISION.get(weight.kind) == "q6k" and fits(out_f, in_f):
+        return Q6KLinear.from_blocks(weight.rows, weight.shape, bias, weight.name)
     return Int8Linear.from_chunks(weight.chunks(), bias=bias)
 
 

@@ -52,12 +52,17 @@ REQUIRED_METADATA = ("embedding_length", "block_count", "attention.head_count")
 ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 ROPE_FREQS = "rope_freqs.weight"
 LLAMA3_ORIGINAL_CONTEXT = 8192  # Llama 3.x's; see `llama3_rope`
-# the serving kernel of each type's layers: 2-4 bits a weight INT4, 5 to 8 INT8. 5 bits do not fit INT4, and
-# requantizing them to 4 costs far more perplexity than INT8's one scale a row (docs/interop.md)
+# the serving kernel of each type's layers: 2-4 bits a weight INT4, Q6_K its own blocks as stored (`kernels/q6k.py`),
+# the other 5 to 8 bits INT8. 5 bits do not fit INT4, and requantizing them to 4 costs far more perplexity than
+# INT8's one scale a row (docs/interop.md)
 STORED_PRECISION: dict[GGMLQuantizationType, str] = {
     **dict.fromkeys((Q.Q2_K, Q.Q3_K, Q.Q4_0, Q.Q4_1, Q.Q4_K), "int4"),
-    **dict.fromkeys((Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0), "int8"),
+    **dict.fromkeys((Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0), "int8"),
+    Q.Q6_K: "q6k",
 }
+# the whole-model mode (`set_precision`'s) a layer kernel stands for: the layers of a file that the file's blocks
+# do not build (a float tensor in a Q6_K file) are quantized to INT8
+FILE_PRECISION = {"int4": "int4", "int8": "int8", "q6k": "int8"}
 ROW_TRANSFORMS = tuple(LLAMA_PERMUTED.values())  # transforms that move whole rows, which quantized blocks allow
 
 
@@ -416,8 +421,8 @@ def linear_sources(reader: GGUFFile) -> dict[str, tuple[TensorInfo, Transform | 
 class StoredLinear:
     """One layer's weight (out, in) as the file stores it: its ggml type and its blocks, one row of blocks per
     output row, in tformer's row order. A quantized layer is built from this, never from a float copy of the
-    whole weight: Q4_0, Q4_1 and Q4_K blocks are INT4 groups as they are (`int4_groups`), other types are
-    dequantized a few rows at a time (`chunks`) and requantized."""
+    whole weight: Q4_0, Q4_1 and Q4_K blocks are INT4 groups as they are (`int4_groups`), Q6_K blocks a Q6_K layer
+    as they are (`rows`), other types are dequantized a few rows at a time (`chunks`) and requantized."""
 
     name: str  # the GGUF tensor's, for messages
     kind: GGMLQuantizationType
@@ -475,8 +480,9 @@ def stored_linears(reader: GGUFFile) -> dict[str, StoredLinear]:
 def stored_head(reader: GGUFFile) -> tuple[StoredLinear, str | None] | None:
     """The output head's blocks (`output.weight`, or `token_embd.weight` where the file ties the head to the
     embedding) and, when tied, the tformer name of the embedding table; None where the head is not taken as
-    stored (a transform, a type not supported). An INT8 head is then built from its blocks a few rows at a time,
-    with no float copy of the table, and a tied embedding reads its rows from it (`quantize.RowsEmbedding`)."""
+    stored (a transform, a type not supported). A Q6_K head is then its blocks as they are, another an INT8 head
+    built from its blocks a few rows at a time, with no float copy of the table, and a tied embedding reads its
+    rows from it (`quantize.RowsEmbedding`)."""
     arch, hf_config = hf_config_from_gguf(reader, reader.path)
     family = hf_family(arch, reader.path)
     table = _table(family, _model_config(family, hf_config, reader.path))
@@ -502,6 +508,6 @@ def stored_precision(reader: GGUFFile) -> str | None:
     counts: dict[str | None, int] = {}
     for tensor in reader.tensors:
         if tensor.name.startswith("blk.") and len(tensor.shape) >= 2:
-            kind = STORED_PRECISION.get(tensor.tensor_type)
+            kind = FILE_PRECISION.get(STORED_PRECISION.get(tensor.tensor_type))
             counts[kind] = counts.get(kind, 0) + math.prod(tensor.shape)
     return max(counts, key=counts.__getitem__) if counts else None

@@ -24,6 +24,7 @@ from tformer.kernels.elementwise import use_fused_elementwise
 from tformer.kernels.fp8 import Fp8Linear
 from tformer.kernels.fusion import concat_bias, fuse_projections
 from tformer.kernels.int4 import Int4Linear
+from tformer.kernels.q6k import Q6KLinear
 from tformer.kernels.w8a8 import TILE, W8A8Linear, pack, quantize_rows
 
 QUANT_MODES = ("int8", "int4", "w8a8", "fp8")
@@ -80,14 +81,15 @@ class Int8Linear(W8A8Linear):
 
 
 class RowsEmbedding(nn.Module):
-    """A token embedding that looks its rows up in an INT8 layer's weights (the output head it is tied to), so
-    one copy of the table serves both: each gathered row dequantized (`W8A8Linear.rows`), in the model's dtype.
+    """A token embedding that looks its rows up in a quantized layer's weights (the output head it is tied to:
+    INT8, or a GGUF file's Q6_K blocks), so one copy of the table serves both: each gathered row dequantized
+    (`W8A8Linear.rows`, `Q6KLinear.rows`), in the model's dtype.
 
     The layer is held by reference, not as a submodule, so that it is moved, cast and counted once, as the head.
     `weight` is an empty (0, d) tensor in the model's float dtype: what the stack and the engine read a table's
     dtype and device from."""
 
-    def __init__(self, head: W8A8Linear) -> None:
+    def __init__(self, head: W8A8Linear | Q6KLinear) -> None:
         super().__init__()
         self.__dict__["head"] = head
         self.register_buffer("weight", torch.empty(0, head.in_features))
@@ -97,9 +99,9 @@ class RowsEmbedding(nn.Module):
         return self.head.rows(ids).to(self.weight.dtype)
 
 
-def tie_quantized_embeddings(model: nn.Module, heads: dict[int, W8A8Linear]) -> None:
+def tie_quantized_embeddings(model: nn.Module, heads: dict[int, W8A8Linear | Q6KLinear]) -> None:
     """Replaces each nn.Embedding whose weight is a key of `heads` (the id of a tied head's float weight) by a
-    `RowsEmbedding` over that head's INT8 rows, and drops the float table with it."""
+    `RowsEmbedding` over that head's quantized rows, and drops the float table with it."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Embedding) and id(child.weight) in heads:
@@ -192,7 +194,7 @@ def model_bytes(model: nn.Module) -> int:
 
 def dequantize_linear(module: nn.Module) -> torch.Tensor:
     """The floating-point weight a quantized linear layer stands for (for tests and error reports)."""
-    if isinstance(module, (Int8Linear, Int4Linear, W8A8Linear, Fp8Linear)):
+    if isinstance(module, (Int8Linear, Int4Linear, W8A8Linear, Fp8Linear, Q6KLinear)):
         return module.dequantized()
     if isinstance(module, nn.Linear):
         return module.weight.detach().float()

@@ -1,0 +1,209 @@
+"""Q6_K linear layers: llama.cpp's 6-bit K-quant weights, served as the file stores them.
+
+Weights: each row in super-blocks of 256 input columns, w = d * sc * (u - 32) with u in [0, 63], one int8
+sub-scale sc per 16 columns and one fp16 d per 256 (llama.cpp's Q6_K: 210 bytes a super-block, 6.5625 bits a
+weight). The layer keeps exactly those bits, rearranged for the dot products, so a Q6_K GGUF tensor loads without
+requantizing (INT8's one scale a row lost ~0.9% perplexity) and in its own size (INT8 held 8 bits a weight).
+
+Activations: the matmul (`q6k.cpp`) rounds each block of 256 activations of a row to int8 in two steps, as the
+INT4 kernel rounds its blocks of 32: x ≈ (254 q_x + r_x) d_x with d_x = max |x| / (127 * 254). A row's super-block
+contributes d * d_x Σ_sub sc Σ (u - 32) (254 q_x + r_x); the integer sums run on AVX512-VNNI's `vpdpbusd` with
+the unsigned u, the -32 added back from each 16 activations' sum, and are exact in int32 per super-block. Every
+output is computed in one fixed order whatever the batch, so a row's result never depends on the other rows
+(tested exactly), and the AVX2 (`vpmaddubsw` on u - 32) and portable loops give the very same numbers. With 8 or
+more tokens each thread unpacks a tile's 6-bit weights to bytes once and runs every token over them.
+
+Layout: (N / 16, K / 256, 3360) uint8, one chunk per 16 output rows and 256 input columns (`pack`): 8 groups of 32
+columns, each 256 bytes of low 4 bits and 128 of high 2 bits; then the 16 x 16 int8 sub-scales (sub-block major),
+then the 16 fp16 d. Fused layers join by concatenating chunks. A layer's rows can be read back alone (`rows`),
+so a tied Q6_K head serves as the embedding table too. Without a C++ compiler, or off the CPU, the layer
+multiplies by its dequantized weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tformer.errors import ConfigError
+from tformer.kernels import dispatch, native
+from tformer.kernels.fusion import concat_bias
+
+TILE, BLOCK, SUB = 16, 256, 16  # output rows a chunk holds, input columns (a super-block), columns per sub-scale
+GROUP = 384  # bytes of 32 columns: 256 of low nibbles, 128 of high bit pairs
+SCALES, HALVES = 8 * GROUP, 8 * GROUP + 256  # where a chunk's sub-scales and fp16 d start
+CHUNK = HALVES + 2 * TILE  # 3360 bytes
+BLOCK_BYTES = 210  # a Q6_K super-block in the file: 128 bytes of low nibbles, 64 of high pairs, 16 scales, fp16 d
+FINE = 254  # the activations' second rounding: steps per step of the first
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+# kernel(): the library, which implements `tformer::q6k_matmul` on the CPU once loaded; available(); instructions()
+UNAVAILABLE = "the Q6_K kernel is unavailable: Q6_K layers multiply by dequantized weights"
+kernel, available, instructions = native.op_library("q6k", UNAVAILABLE)
+
+
+def split_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """u (n, 256) uint8 in [0, 63], sub-scales (n, 16) int8 and d (n,) fp16 of n raw Q6_K blocks (n, 210) uint8,
+    read as `gguf.quants` reads them: w = d * sc * (u - 32)."""
+    n = blocks.shape[0]
+    ql, qh = blocks[:, :128].reshape(n, 2, 64), blocks[:, 128:192].reshape(n, 2, 32)
+    low = torch.stack([ql & 0x0F, ql >> 4], 2)  # (n, half, 2, 64): values 128 h + 64 a + l
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    high = ((qh[:, :, None] >> shifts) & 3).reshape(n, 2, 2, 2, 32)  # values 128 h + 32 s + l: (h, s // 2, s % 2, l)
+    high = high.reshape(n, 2, 2, 64)  # value 128 h + 64 a + l
+    u = low | (high << 4)
+    scales = blocks[:, 192:208].contiguous().view(torch.int8)
+    d = blocks[:, 208:210].contiguous().view(torch.float16).reshape(n)
+    return u.reshape(n, BLOCK), scales, d
+
+
+def pack(u: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The (N / 16, K / 256, 3360) chunks of u (N, K) in [0, 63] with int8 sub-scales (N, K / 16) and fp16 d
+    (N, K / 256). In group g of a chunk, byte 64 j + 4 r + i holds the low 4 bits of row r's columns 32 g + 4 j + i
+    (low nibble) and 32 g + 16 + 4 j + i (high nibble); byte 256 + 64 h + 4 r + i holds the high 2 bits of columns
+    32 g + 16 h + 4 j + i at bits 2 j, 2 j + 1, for j = 0 .. 3."""
+    n, k = u.shape
+    tiles, blocks = n // TILE, k // BLOCK
+    values = u.to(torch.uint8).view(tiles, TILE, blocks, 8, 2, 4, 4)  # tile, row, block, group, half, j, i
+    values = values.permute(0, 2, 3, 4, 5, 1, 6)  # tile, block, group, half, j, row, i
+    nibbles = (values[:, :, :, 0] & 0x0F) | ((values[:, :, :, 1] & 0x0F) << 4)  # (tiles, blocks, 8, 4, 16, 4)
+    pairs = values >> 4  # (tiles, blocks, 8, half, j, 16, 4)
+    high = pairs[:, :, :, :, 0] | pairs[:, :, :, :, 1] << 2 | pairs[:, :, :, :, 2] << 4 | pairs[:, :, :, :, 3] << 6
+    groups = torch.cat([nibbles.reshape(tiles, blocks, 8, 256), high.reshape(tiles, blocks, 8, 128)], -1)
+    sub = scales.contiguous().view(torch.uint8).view(tiles, TILE, blocks, BLOCK // SUB).permute(0, 2, 3, 1)
+    halves = d.to(torch.float16).view(tiles, TILE, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+    parts = [groups.reshape(tiles, blocks, 8 * GROUP), sub.reshape(tiles, blocks, 256), halves.view(tiles, blocks, 32)]
+    return torch.cat(parts, -1).contiguous()
+
+
+def unpack(packed: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """u (n, K) as int16, int8 sub-scales (n, K / 16) and fp32 d (n, K / 256) that `pack` stored: of every row,
+    or with `rows` (n,) of those rows only, read from their tiles alone."""
+    if rows is None:
+        rows = torch.arange(packed.shape[0] * TILE, device=packed.device)
+    chunks, r = packed[rows // TILE], rows % TILE  # (n, blocks, 3360): each row's tile
+    n, blocks = rows.shape[0], packed.shape[1]
+    pick = torch.arange(n, device=packed.device)
+    groups = chunks[:, :, : 8 * GROUP].reshape(n, blocks, 8, GROUP)
+    nibbles = groups[..., :256].reshape(n, blocks, 8, 4, TILE, 4)[pick, :, :, :, r]  # (n, blocks, 8, j, i)
+    high = groups[..., 256:].reshape(n, blocks, 8, 2, TILE, 4)[pick, :, :, :, r]  # (n, blocks, 8, half, i)
+    low = torch.stack([nibbles & 0x0F, nibbles >> 4], 3)  # (n, blocks, 8, half, j, i)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device).view(1, 1, 1, 1, 4, 1)
+    pairs = (high[:, :, :, :, None] >> shifts) & 3  # (n, blocks, 8, half, j, i)
+    u = (low | pairs << 4).reshape(n, blocks * BLOCK).to(torch.int16)
+    scales = chunks[:, :, SCALES:HALVES].reshape(n, blocks, BLOCK // SUB, TILE)[pick, :, :, r]
+    d = chunks[:, :, HALVES:].contiguous().view(torch.float16).reshape(n, blocks, TILE)[pick, :, r]
+    return u, scales.contiguous().view(torch.int8).reshape(n, -1), d.float()
+
+
+def dequantize(packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 weight rows (all, or `rows`) the chunks stand for: (d * sc) * (u - 32), the products in the order
+    `gguf.quants` computes them, so the numbers are its own bit for bit."""
+    u, scales, d = unpack(packed, rows)
+    n = u.shape[0]
+    factor = d.repeat_interleave(BLOCK // SUB, 1) * scales.float()  # (n, K / 16)
+    return ((u - 32).float().view(n, -1, SUB) * factor[..., None]).view(n, -1)
+
+
+_LIBRARY = torch.library.Library("tformer", "FRAGMENT")
+_LIBRARY.define("q6k_matmul(Tensor x, Tensor packed, int out_features, bool portable=False) -> Tensor")
+
+
+@torch.library.register_fake("tformer::q6k_matmul")
+def _(x: torch.Tensor, packed: torch.Tensor, out_features: int, portable: bool = False) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+def q6k_matmul(x: torch.Tensor, packed: torch.Tensor, portable: bool = False) -> torch.Tensor:
+    """x (M, K) in bf16 or fp32 times the weight the chunks stand for, transposed: (M, N), in x's dtype.
+    `portable` runs the portable loop where a vectorized one was built (for tests): the same numbers."""
+    if not available():
+        raise RuntimeError("q6k_matmul: the Q6_K kernel could not be built here (see the log)")
+    if x.dim() != 2 or packed.dim() != 3 or x.shape[1] != packed.shape[1] * BLOCK or packed.shape[2] != CHUNK:
+        raise ConfigError(
+            f"q6k_matmul needs x (M, K) and chunks (N / {TILE}, K / {BLOCK}, {CHUNK}); got x {list(x.shape)} and "
+            f"chunks {list(packed.shape)}"
+        )
+    return torch.ops.tformer.q6k_matmul(x, packed, packed.shape[0] * TILE, portable)
+
+
+def q6k_formula(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in torch (float64): each block of 256 activations rounded in two steps as the
+    kernel rounds it, times the dequantized weight. Equal to the kernel up to the order of its float sums."""
+    flat = x.double().view(x.shape[0], -1, BLOCK)
+    largest = flat.abs().amax(-1, keepdim=True).float()
+    inverse = torch.where(largest > 0, torch.full_like(largest, 127).div(largest), 0)
+    scaled = flat.float() * inverse  # in float32, as the kernel scales
+    coarse = torch.round(scaled).clamp(-127, 127)
+    fine = torch.round((scaled - coarse) * FINE).clamp(-127, 127)
+    d = largest / (127 * FINE)
+    rounded = ((coarse * FINE + fine).double() * d.double()).view(x.shape[0], -1)
+    return rounded @ dequantize(packed).double().T
+
+
+class Q6KLinear(nn.Module):
+    """y = x W^T + b with W held as a GGUF file's Q6_K blocks (`pack`), multiplied on the CPU's integer dot
+    products (`q6k_matmul`)."""
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("packed", packed)
+        self.bias = bias
+        self.out_features, self.in_features = packed.shape[0] * TILE, packed.shape[1] * BLOCK
+
+    @classmethod
+    def from_blocks(
+        cls, blocks: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None = None, name: str = "weight"
+    ) -> Q6KLinear:
+        """A layer from a weight's raw Q6_K blocks, one row of K / 256 blocks per output row: (N, K / 256 * 210)
+        uint8 for shape (N, K) = (out, in). N must be a multiple of 16 and K of 256 (`fits`); `name` is the
+        weight's, for the error."""
+        out_f, in_f = shape
+        if not fits(out_f, in_f) or tuple(blocks.shape) != (out_f, in_f // BLOCK * BLOCK_BYTES):
+            raise ConfigError(
+                f"{name}: a Q6_K layer needs out_features a multiple of {TILE}, in_features of {BLOCK} and "
+                f"(out, in / {BLOCK} * {BLOCK_BYTES}) uint8 bytes of blocks; got shape {list(shape)} and blocks "
+                f"{list(blocks.shape)}"
+            )
+        packed = []
+        step = max(TILE, (1 << 22) // max(in_f, 1) // TILE * TILE)  # about 4M weights at a time: small temporaries
+        for start in range(0, out_f, step):
+            rows = blocks[start : start + step]
+            u, scales, d = split_blocks(rows.reshape(-1, BLOCK_BYTES))
+            n = rows.shape[0]
+            packed.append(pack(u.view(n, in_f), scales.reshape(n, -1), d.view(n, -1)))
+        return cls(torch.cat(packed) if len(packed) > 1 else packed[0], bias)
+
+    @classmethod
+    def concatenated(cls, parts: list[Q6KLinear]) -> Q6KLinear:
+        """One layer with the output rows of `parts` in order: their chunks joined as they are."""
+        return cls(torch.cat([part.packed for part in parts]), concat_bias(parts))
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize(self.packed)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 weight rows `ids` (any shape; the result is ids.shape + (in_features,)), read from their
+        tiles alone: exactly `dequantized()[ids]` (a tied embedding's lookup)."""
+        flat = ids.reshape(-1).to(self.packed.device)
+        return dequantize(self.packed, flat).reshape(*ids.shape, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ConfigError(
+                f"a Q6_K layer of {self.in_features} input features got an input of shape {list(x.shape)}; its "
+                f"last dimension must be {self.in_features}"
+            )
+        flat = x.reshape(-1, self.in_features)
+        if dispatch.native(flat.device) and flat.dtype in KERNEL_DTYPES and available():
+            out = torch.ops.tformer.q6k_matmul(flat, self.packed, self.out_features)
+        else:
+            out = F.linear(flat, self.dequantized().to(device=flat.device, dtype=flat.dtype))
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+def fits(out_features: int, in_features: int) -> bool:
+    """Whether a weight of this shape can be a Q6KLinear (whole tiles of 16 rows, whole super-blocks)."""
+    return out_features > 0 and in_features > 0 and out_features % TILE == 0 and in_features % BLOCK == 0
