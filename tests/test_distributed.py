@@ -157,14 +157,8 @@ def test_tensor_parallel_logits_and_gradients_equal_the_unsharded_model(tmp_path
 # ---- failures ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("how", ["killed", "hung"])
-def test_when_a_rank_dies_or_hangs_the_other_fails_fast_and_the_checkpoint_survives(
-    how: str, recipe: Path, tmp_path: Path
-) -> None:
-    """Two ranks started by hand (as a multi-node launcher would); rank 1 is killed (or stopped) mid-training."""
-    # the hung case waits the timeout out; it still leaves rank 0 time to prepare the data and write checkpoints,
-    # which the other rank waits for at a barrier
-    run_dir, timeout = tmp_path / "run", 8
+def start_two_ranks(recipe: Path, run_dir: Path, timeout: float) -> list[subprocess.Popen]:
+    """Two ranks of `tformer train` started by hand (as a multi-node launcher would), training until stopped."""
     port = free_port()
     processes = []
     for rank in (0, 1):
@@ -190,19 +184,28 @@ def test_when_a_rank_dies_or_hangs_the_other_fails_fast_and_the_checkpoint_survi
             f"train.dist_timeout={timeout}",
         ]
         processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    return processes
+
+
+def stop_rank_1(recipe: Path, run_dir: Path, timeout: float, how: signal.Signals) -> list[subprocess.Popen]:
+    """Two ranks training until their first checkpoint, then rank 1 killed or stopped (`how`)."""
+    processes = start_two_ranks(recipe, run_dir, timeout)
     deadline = time.monotonic() + 120
     while not list_checkpoints(run_dir) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert list_checkpoints(run_dir), processes[0].communicate(timeout=5)
-    processes[1].send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-    stopped = time.monotonic()
-    try:
-        _, stderr = processes[0].communicate(timeout=timeout + 60)
-    finally:
-        processes[1].kill()
-        processes[1].communicate()
+    processes[1].send_signal(how)
+    return processes
+
+
+def assert_failed_fast_and_resumes(
+    recipe: Path, run_dir: Path, rank_0: subprocess.Popen, stopped: float, timeout: float
+) -> None:
+    """Rank 0 ended with the clear error within its timeout (and a margin) of rank 1's end at `stopped` (monotonic
+    seconds); its last checkpoint resumes."""
+    _, stderr = rank_0.communicate(timeout=max(1.0, stopped + timeout + 60 - time.monotonic()))
     assert time.monotonic() - stopped < timeout + 30
-    assert processes[0].returncode == 2, stderr[-2000:]
+    assert rank_0.returncode == 2, stderr[-2000:]
     assert "tformer: error: rank 0 of 2: a collective failed" in stderr
     assert "Traceback" not in stderr
     latest = list_checkpoints(run_dir)[-1]
@@ -210,6 +213,26 @@ def test_when_a_rank_dies_or_hangs_the_other_fails_fast_and_the_checkpoint_survi
     assert all(torch.isfinite(t).all() for t in model.state_dict().values())
     result = train(recipe, run_dir, 1, f"train.max_steps={int(latest.name[5:]) + 1}")
     assert f"resumed from {latest}" in result.stdout
+
+
+def test_when_a_rank_dies_or_hangs_the_other_fails_fast_and_the_checkpoint_survives(
+    recipe: Path, tmp_path: Path
+) -> None:
+    """Two ranks started by hand (as a multi-node launcher would); rank 1 is stopped (SIGSTOP) mid-training, and while
+    rank 0 waits out its timeout, another pair runs in which rank 1 is killed."""
+    # the hung pair waits the timeout out; it still leaves rank 0 time to prepare the data and write checkpoints,
+    # which the other rank waits for at a barrier
+    timeout, pairs = 8, []
+    try:
+        pairs.append(hung := stop_rank_1(recipe, tmp_path / "hung", timeout, signal.SIGSTOP))
+        hung_at = time.monotonic()
+        pairs.append(killed := stop_rank_1(recipe, tmp_path / "killed", timeout, signal.SIGKILL))
+        assert_failed_fast_and_resumes(recipe, tmp_path / "killed", killed[0], time.monotonic(), timeout)
+        assert_failed_fast_and_resumes(recipe, tmp_path / "hung", hung[0], hung_at, timeout)
+    finally:
+        for process in (process for pair in pairs for process in pair):
+            process.kill()
+            process.communicate()
 
 
 # ---- bad configs and files (in process) ----------------------------------------------------------------------
