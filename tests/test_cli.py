@@ -81,24 +81,38 @@ HEAVY_MODULES = (
 )
 
 
-def modules_after(code: str, names: tuple[str, ...] = HEAVY_MODULES) -> set[str]:
-    """Which of `names` a fresh interpreter has loaded after running `code`."""
-    probe = f"import sys\n{code}\nprint('loaded:', *(m for m in {names!r} if m in sys.modules))"
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return set(result.stdout.splitlines()[-1].split()[1:])
+def modules_after(probes: dict[str, tuple[str, ...]]) -> list[set[str]]:
+    """For each `code: names` of `probes`, which of `names` a fresh interpreter has loaded after running `code`
+    (the interpreters run side by side)."""
+    report = "print('loaded:', *(m for m in {!r} if m in sys.modules))"
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", f"import sys\n{code}\n{report.format(names)}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for code, names in probes.items()
+    ]
+    outputs = [run.communicate(timeout=120) for run in runs]
+    assert [run.returncode for run in runs] == [0] * len(runs), [err for _, err in outputs]
+    return [set(out.splitlines()[-1].split()[1:]) for out, _ in outputs]
 
 
 def test_commands_import_only_what_they_need():
-    assert modules_after("import tformer.cli", ("torch", *HEAVY_MODULES)) == set()
-    assert modules_after("import tformer.cli; tformer.cli.main(['info', 'gpt2'])") == set()
     help_only = "import tformer.cli\ntry:\n    tformer.cli.main(['--help'])\nexcept SystemExit:\n    pass"
-    assert modules_after(help_only, ("torch", *HEAVY_MODULES)) == set()
-    # the probe sees a heavy module when a command does load it
     viz = "import tformer.cli; tformer.cli.main(['viz', 'positions', 'tiny-transformer', '--out', '/dev/null'])"
-    assert modules_after(viz, ("matplotlib", "torch")) == {"matplotlib", "torch"}
-    # training loads the inference engine (and with it Dynamo, ~1 s) only when it translates
-    assert modules_after("import tformer.training", ("tformer.engine", "torch._dynamo", "torch")) == {"torch"}
+    loaded = modules_after(
+        {
+            "import tformer.cli": ("torch", *HEAVY_MODULES),
+            "import tformer.cli; tformer.cli.main(['info', 'gpt2'])": HEAVY_MODULES,
+            help_only: ("torch", *HEAVY_MODULES),
+            viz: ("matplotlib", "torch"),  # the probe sees a heavy module when a command does load it
+            # training loads the inference engine (and with it Dynamo, ~1 s) only when it translates
+            "import tformer.training": ("tformer.engine", "torch._dynamo", "torch"),
+        }
+    )
+    assert loaded == [set(), set(), set(), {"matplotlib", "torch"}, {"torch"}]
 
 
 def test_generate_holds_its_output_to_a_regex_a_schema_or_a_grammar(tmp_path, capsys):
