@@ -20,6 +20,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -165,14 +166,28 @@ KILLS = {
 }
 
 
+@pytest.fixture(scope="module")
+def killed_runs(scored, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
+    """The runs KILLS names, started side by side (each mostly Python starting and training alone on one thread):
+    moment -> (the process, its run directory)."""
+    recipe, _ = scored
+    runs = {}
+    for i, (moment, (kill_at, *_)) in enumerate(KILLS.items()):
+        run_dir = tmp_path_factory.mktemp("killed") / f"run-{i}"
+        runs[moment] = run_script(recipe, run_dir, KILL_AT=kill_at), run_dir
+    yield runs
+    for process, _ in runs.values():
+        process.kill()
+        process.communicate()
+
+
 @pytest.mark.parametrize("moment", KILLS)
 def test_a_kill_during_a_new_best_save_keeps_the_best_and_resumes_from_the_newest_valid(
-    scored, moment, tmp_path: Path, monkeypatch, capsys
+    scored, killed_runs, moment, monkeypatch, capsys
 ) -> None:
     recipe, reference = scored
-    kill_at, left, best, resumed_from = KILLS[moment]
-    run_dir = tmp_path / "run"
-    process = run_script(recipe, run_dir, KILL_AT=kill_at)
+    _, left, best, resumed_from = KILLS[moment]
+    process, run_dir = killed_runs[moment]
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == -signal.SIGKILL, stderr
     assert steps(run_dir) == left
