@@ -192,14 +192,17 @@ class Int4Linear(nn.Module):
         """The first counts[0] rows of x (M, K) through layers[0], the next counts[1] through layers[1], ...: (M, N)
         in one kernel call (`int4_grouped_matmul`), each row as its layer's forward gives it; None where that call
         does not apply (another kind of layer, other shapes, biases, or no kernel), for the caller to run each."""
-        first = layers[0]
         if not (dispatch.native(x.device) and x.dtype in KERNEL_DTYPES and x.dim() == 2 and available()):
             return None
+        packed = []
         for layer in layers:
-            same = type(layer) is Int4Linear and layer.packed.shape == first.packed.shape
-            if not same or layer.bias is not None or not layer.packed.is_contiguous():
+            if type(layer) is not Int4Linear or layer.bias is not None:
                 return None
-        return torch.ops.tformer.int4_grouped_matmul(x, [layer.packed for layer in layers], counts, first.out_features)
+            weight = layer.packed
+            if weight.shape != (packed or [weight])[0].shape or not weight.is_contiguous():
+                return None
+            packed.append(weight)
+        return torch.ops.tformer.int4_grouped_matmul(x, packed, counts, layers[0].out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

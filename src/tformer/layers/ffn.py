@@ -175,10 +175,9 @@ class MixtureOfExperts(nn.Module):
         those of its expert's forward; any other experts run one by one."""
         experts = [self.experts[e] for e in ran]
         first = experts[0]
-        if isinstance(first, GatedMLP) and all(
-            type(e) is type(first) and e.gate_up_proj is not None and e.fused_gate is first.fused_gate for e in experts
-        ):
-            gate_up = _grouped_linear([e.gate_up_proj for e in experts], rows, counts)
+        fused = [e.gate_up_proj for e in experts] if isinstance(first, GatedMLP) else [None]
+        if None not in fused and all(type(e) is type(first) and e.fused_gate is first.fused_gate for e in experts):
+            gate_up = _grouped_linear(fused, rows, counts)
             if gate_up is not None:
                 gate, up = gate_up.chunk(2, dim=-1)
                 hidden = first.fused_gate(gate, up) if first.fused_gate is not None else None
@@ -219,14 +218,23 @@ _LAYERS: weakref.WeakValueDictionary[int, MixtureOfExperts] = weakref.WeakValueD
 _KEYS = itertools.count()
 
 
-@torch.library.custom_op("tformer::moe_experts", mutates_args=())
+# Defined and implemented directly rather than with torch.library.custom_op, whose Python wrappers (autograd and
+# checks) cost a decode step tens of microseconds a layer; the op has no gradient and serves inference only.
+_LIBRARY = torch.library.Library("tformer", "FRAGMENT")
+_LIBRARY.define("moe_experts(Tensor x, Tensor weights, Tensor experts, int layer) -> Tensor")
+
+
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, layer: int) -> torch.Tensor:
-    """The mixture (N, d) in fp32 of the experts of the MixtureOfExperts keyed `layer` for tokens x (N, d) routed
-    to `experts` (N, k) with `weights` (N, k) (`MixtureOfExperts.mix`): a compiled graph calls it as it is."""
+    """`tformer::moe_experts`: the mixture (N, d) in fp32 of the experts of the MixtureOfExperts keyed `layer` for
+    tokens x (N, d) routed to `experts` (N, k) with `weights` (N, k) (`MixtureOfExperts.mix`): a compiled graph
+    calls it as it is."""
     return _LAYERS[layer].mix(x, weights, experts)[1]
 
 
-@moe_experts.register_fake
+_LIBRARY.impl("moe_experts", moe_experts, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tformer::moe_experts")
 def _(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, layer: int) -> torch.Tensor:
     return x.new_empty(x.shape, dtype=weights.dtype)
 
