@@ -320,6 +320,9 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
         if self.query_scale != 1.0:
             q = q * self.query_scale
+        if self.cross and getattr(cache, "attends_in_place", False):  # a beam search's memory, which the search
+            out = cache.attend(q)  # type: ignore[union-attr]  # gives plain layers only (decoding/beam_cache.py)
+            return self.out_proj(out.transpose(1, 2).reshape(B, T, -1))
         if not self.cross:
             if rotary is not None:
                 q, k = self.rotate(q, rotary), self.rotate(k, rotary)
