@@ -181,25 +181,63 @@ def test_length_batches_cut_sorted_lengths_by_count_and_padded_tokens() -> None:
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_beam_attention_reads_each_beams_keys_through_its_table(dtype: torch.dtype, atol: float) -> None:
-    """The kernel against the plain formula on keys gathered one by one: row r's key at position t is that of cache
-    row table[r, t]; query heads 2h and 2h+1 read KV head h."""
-    from tformer.kernels.beam_attention import beam_attention, gathered_attention
+@pytest.mark.parametrize("in_place", [True, False])
+def test_beam_caches_read_each_beams_keys_through_their_tables(dtype: torch.dtype, atol: float, in_place: bool) -> None:
+    """BeamKVCache after writes and reorders, and BeamMemory over padded sources, against the plain formula on keys
+    gathered one by one: beam row r's key at position t is the one that the row it continues wrote at t (query heads
+    2h and 2h+1 read KV head h), and a beam reads its own source's real keys only. `in_place` False: the kernel's
+    torch path (the keys gathered), which the caches take off the CPU."""
+    from tformer.decoding.beam_cache import BeamKVCache, BeamMemory
 
     generator = torch.Generator().manual_seed(0)
-    R, H, Hkv, L, D, T = 6, 4, 2, 12, 32, 5
-    q, k, v = (torch.randn(*shape, generator=generator).to(dtype) for shape in [(R, H, 1, D), *[(8, Hkv, L, D)] * 2])
-    table = torch.randint(0, 8, (R, T), generator=generator)
-    expected = torch.empty(R, H, 1, D)
-    for r in range(R):
+    R, H, Hkv, L, D, T, K = 6, 4, 2, 12, 32, 5, 3
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    def formula(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:  # (H, D), (n, Hkv, D)
+        out = torch.empty(H, D)
         for h in range(H):
-            keys = torch.stack([k[table[r, t], h // 2, t] for t in range(T)]).double()
-            values = torch.stack([v[table[r, t], h // 2, t] for t in range(T)]).double()
-            weights = torch.softmax(keys @ q[r, h, 0].double() / D**0.5, dim=0)
-            expected[r, h, 0] = (weights @ values).float()
-    for got in (beam_attention(q, k, v, table), gathered_attention(q, k, v, table)):
-        assert got is not None and got.dtype == dtype
-        torch.testing.assert_close(got.float(), expected, rtol=0, atol=atol)
+            weights = torch.softmax(keys[:, h // 2].double() @ q[h].double() / D**0.5, dim=0)
+            out[h] = (weights @ values[:, h // 2].double()).float()
+        return out
+
+    cache = BeamKVCache(R, Hkv, D, L, dtype, torch.device("cpu"))
+    cache.beams = K  # rows 0-2 and 3-5 read as two sentences' beams
+    written = [[] for _ in range(R)]  # row r's beam: the (k, v) of each position
+    for t in range(T):
+        k, v = randn(R, Hkv, 1, D), randn(R, Hkv, 1, D)
+        q = randn(R, H, 1, D)
+        if in_place:
+            got = cache.attend_in_place(torch.tensor([[t]]), q, k, v)
+        else:
+            keys, values = cache.update(torch.tensor([[t]]), k, v)  # (R, Hkv, t + 1, D)
+            got = torch.stack(
+                [formula(q[r, :, 0], keys[r].transpose(0, 1), values[r].transpose(0, 1)) for r in range(R)]
+            )
+        written = [beam + [(k[r, :, 0], v[r, :, 0])] for r, beam in enumerate(written)]
+        for r in range(R):
+            keys = torch.stack([key for key, _ in written[r]])
+            values = torch.stack([value for _, value in written[r]])
+            torch.testing.assert_close(
+                got[r].reshape(H, D).float(), formula(q[r, :, 0], keys, values), rtol=0, atol=atol
+            )
+        parents = torch.randint(0, R, (R,), generator=generator)
+        cache.reorder(parents)
+        written = [list(written[p]) for p in parents.tolist()]
+
+    lengths = torch.tensor([4, 1, 6])
+    S = int(lengths.max())
+    src_mask = (torch.arange(S)[None] < lengths[:, None]).long()
+    src_mask[1] = src_mask[1].flip(0)  # a left-padded source too: its one real key last
+    mk, mv = randn(3, Hkv, S, D), randn(3, Hkv, S, D)
+    memory = BeamMemory(mk, mv, src_mask, K)
+    q = randn(3 * K, H, 1, D)
+    got = memory.attend(q)
+    for r in range(3 * K):
+        real = src_mask[r // K].bool()
+        expected = formula(q[r, :, 0], mk[r // K][:, real].transpose(0, 1), mv[r // K][:, real].transpose(0, 1))
+        torch.testing.assert_close(got[r].reshape(H, D).float(), expected, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("variant", ["paper", "gqa", "rope"])

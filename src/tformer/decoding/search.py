@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tformer.decoding.beam_cache import BeamKVCache
+from tformer.decoding.beam_cache import BeamKVCache, BeamMemory
 from tformer.errors import RequestError
 from tformer.layers.kv_cache import LayerCache
 from tformer.models import DecoderLM, EncoderDecoder, RecurrentCache
@@ -93,11 +93,15 @@ def beam_search(
     if isinstance(model, EncoderDecoder):
         cache = model.new_cache(B * K, max(limits) + 1, memory=memory, src_mask=src_mask)
         shares_keys = not any(model.decoder.windows) and not model.decoder.positions.has_attention_bias
-        for layer_cache in cache:  # (B, Hkv, S, D) views of the projection's (B, S, Hkv * D): made whole once, or
-            cross = layer_cache.cross_attn  # every step's attention matmul would copy them
-            cross.k, cross.v = cross.k.contiguous(), cross.v.contiguous()
+        for block, layer_cache in zip(model.decoder.layers, cache, strict=True):
+            cross = layer_cache.cross_attn
+            if block.cross_attn.attends_plainly() and BeamMemory.serves(cross, src_mask):
+                layer_cache.cross_attn = BeamMemory(cross.k, cross.v, src_mask, K)  # read in place, by slots
+            else:  # (B, Hkv, S, D) views of the projection's (B, S, Hkv * D): made whole once, or every step's
+                cross.k, cross.v = cross.k.contiguous(), cross.v.contiguous()  # attention matmul would copy them
             beam_cache = BeamKVCache.replacing(layer_cache.self_attn)
             if shares_keys and beam_cache.attends_in_place:  # beams share their keys through a table: no copies
+                beam_cache.beams = K
                 layer_cache.self_attn = beam_cache
         memory = src_mask = None
     else:  # a model whose decoder state holds the memory per row (the LSTM baseline): each beam gets a copy
