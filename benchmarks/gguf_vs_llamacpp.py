@@ -96,7 +96,7 @@ MODELS = {  # name: (preset, overrides)
         },
     ),
 }
-MATMULS = ("tformer::int4_matmul", "tformer::w8a8_matmul")
+MATMULS = ("tformer::int4_matmul", "tformer::w8a8_matmul", "tformer::q6k_matmul")
 CONTEXT = 2048  # both sides' context (llama.cpp n_ctx, tformer max_model_len) in `decode` and `memory`
 TEXTS = ["the cat sat on the mat", "a dog ran in the park", "the bird sang at dawn", "rain fell on the hills"] * 20
 Q4_K_M = "Q4_K_M"
@@ -491,7 +491,7 @@ def profile_parts(args: argparse.Namespace) -> None:
         print(averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
         total = sum(a.self_cpu_time_total for a in averages)
         kernels = sum(a.self_cpu_time_total for a in averages if a.key in MATMULS)
-        print(f"INT4 and INT8 matmul kernels: {kernels / total:.1%} of the self CPU time")
+        print(f"INT4, INT8 and Q6_K matmul kernels: {kernels / total:.1%} of the self CPU time")
     print(load_report("after"))
 
 
