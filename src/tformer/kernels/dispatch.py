@@ -10,6 +10,7 @@ does (a GPU, an ARM CPU, Apple's MPS):
 | paged decode attention | keys and values gathered from the pool (`paged_attention.gathered_decode_attention`) |
 | INT4 linears | the weight dequantized, then one matmul in the activations' dtype |
 | INT8 / W8A8 linears | the same integer formula in torch (`w8a8.w8a8_formula`, the integers multiplied in fp32) |
+| Q6_K linears (a GGUF file's Q6_K blocks) | the weight dequantized, then one matmul in the activations' dtype |
 | FP8 linears | already torch (`fp8.fp8_matmul`) |
 | RMSNorm, rotary, SwiGLU's product | the layers' own formulas |
 | the int8 KV cache's writes and reads | the rounding formula (`kv_int8.quantize_int8`) |
