@@ -6,6 +6,7 @@ What each type keeps (docs/interop.md, "Each type in its kernel"):
 - Q4_K's groups of 32 are exact in q; each group's d * scale and dmin * minimum (float32 products of a 6-bit
   integer and an fp16) are rounded to INT4's fp16, so the weights are q * fp16(s) + fp16(m), bit for bit.
 - Q6_K serves as stored (`kernels/q6k.py`, its tests in test_q6k_kernel.py): the file's bits, a tied Q6_K head too.
+  Q4_K serves as stored too with --quantize auto (`kernels/q4k.py`, test_q4k_kernel.py), INT4's groups otherwise.
 - Q5_0, Q5_1, Q5_K and Q8_0 serve as INT8 (INT8 has one scale per row, the blocks one per 16 or 32 weights;
   --quantize int4 sends the 5-bit ones to INT4, whose 4 bits they do not fit), as Q6_K does under --quantize int8:
   requantized from their dequantized rows, a few rows at a time, the numbers equal those of the layer quantized
@@ -28,9 +29,10 @@ from torch import nn
 
 from tformer.config import ConfigError
 from tformer.engine.loading import load_quantized, stored_layer
-from tformer.interop.gguf import GGUFError, StoredLinear, from_gguf, open_gguf, stored_linears
+from tformer.interop.gguf import GGUFError, StoredLinear, from_gguf
 from tformer.kernels import int4
 from tformer.kernels.int4 import Int4Linear
+from tformer.kernels.q4k import Q4KLinear
 from tformer.kernels.q6k import Q6KLinear
 from tformer.kernels.quantize import Int8Linear, RowsEmbedding, set_precision
 
@@ -250,21 +252,14 @@ def test_a_file_loads_each_layer_in_its_own_types_kernel_with_its_bias(mixed_fil
     reference = from_gguf(mixed_file)
     model, _ = load_quantized(mixed_file, "int4", as_stored=True)
     i4, i8 = Int4Linear, Int8Linear
-    assert layer_types(model) == {"q": i4, "k": i4, "v": Q6KLinear, "o": i8, "gate": i8, "up": i8, "down": i4}
+    assert layer_types(model) == {"q": Q4KLinear, "k": i4, "v": Q6KLinear, "o": i8, "gate": i8, "up": i8, "down": i4}
     ours, theirs = model.decoder.layers[1].self_attn, reference.decoder.layers[1].self_attn
     for name in ("q_proj", "k_proj", "v_proj"):
         assert torch.equal(getattr(ours, name).bias, getattr(theirs, name).bias)
     assert torch.equal(ours.v_proj.dequantized(), theirs.v_proj.weight)  # Q6_K as stored: the file's bits
-    # q in Q4_K (fp16 scales) and k in Q4_0 (exact): the row permutation undone on the blocks, as on floats
+    # q in Q4_K as stored and k in Q4_0 (exact): the row permutation undone on the blocks, as on floats
     assert torch.equal(ours.k_proj.dequantized(), theirs.k_proj.weight)
-    q, scales, minimums = stored_linears(open_gguf(mixed_file))[
-        "decoder.layers.1.self_attn.q_proj.weight"
-    ].int4_groups()
-    assert torch.equal(
-        q.float().view(256, -1, 32).mul(scales[..., None]).add(minimums[..., None]).view(256, 256), theirs.q_proj.weight
-    )
-    bound = 2.0**-11 * (15 * scales.abs() + minimums.abs()).max()
-    torch.testing.assert_close(ours.q_proj.dequantized(), theirs.q_proj.weight, rtol=0, atol=bound.item())
+    assert torch.equal(ours.q_proj.dequantized(), theirs.q_proj.weight)
     every_int8, _ = load_quantized(mixed_file, "int8")
     assert set(layer_types(every_int8).values()) == {Int8Linear}
     ids = torch.tensor([[5, 17, 3, 60, 42, 8, 91, 33]])

@@ -1,5 +1,6 @@
 """`tformer generate/serve model.gguf` serve a quantized file as stored by default (load_engine's quantize
-'auto'): a Q4_K file in INT4 (bf16 activations), a Q8_0 one in INT8, a float one in floats; 'none' forces floats.
+'auto'): a Q4_K file as stored (its Q4_K layers `Q4KLinear`, the rest INT4; bf16 activations), a Q8_0 one in
+INT8, a float one in floats; 'none' forces floats.
 
 The reference for the tokens is the served model's own uncached forward (the bf16 margin of test_quantize), and
 the INT4 model's logits are compared with the dequantized float model's (from_gguf) within a stated tolerance.
@@ -19,6 +20,7 @@ from helpers import greedy_within_rounding
 from tformer.engine import EngineConfig, SamplingParams
 from tformer.engine.loading import load_engine
 from tformer.interop.gguf import from_gguf, open_gguf, stored_precision
+from tformer.kernels.q4k import Q4KLinear
 from tformer.kernels.quantize import Int4Linear, Int8Linear
 
 transformers = pytest.importorskip("transformers")
@@ -46,11 +48,11 @@ def engine_modules(engine) -> set[type]:
     return {type(m) for m in engine.model.modules()}
 
 
-def test_q4_k_file_serves_as_int4_by_default_close_to_its_float_model(hf_model, tmp_path: Path) -> None:
+def test_q4_k_file_serves_as_stored_by_default_close_to_its_float_model(hf_model, tmp_path: Path) -> None:
     path = q4_k_file(hf_model, tmp_path / "q4k.gguf")
     assert stored_precision(open_gguf(path)) == "int4"
     engine = load_engine(path, EngineConfig(block_size=4, num_blocks=64), quantize="auto")
-    assert Int4Linear in engine_modules(engine)
+    assert Q4KLinear in engine_modules(engine)
     assert {p.dtype for p in engine.model.parameters() if p.is_floating_point()} == {torch.bfloat16}
     results = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
     served = engine.model
@@ -59,13 +61,13 @@ def test_q4_k_file_serves_as_int4_by_default_close_to_its_float_model(hf_model, 
     margin = 2 * 2.0 ** (math.floor(math.log2(largest)) - 7)  # test_quantize's: two bf16 steps at the largest logit
     for result, prompt in zip(results, PROMPTS, strict=True):
         assert len(result.token_ids) == 8 and greedy_within_rounding(served, prompt, result.token_ids, margin)
-    # against the dequantized float model: INT4 takes each Q4_K sub-block as stored, its scale and minimum in fp16
+    # against the dequantized float model: the Q4_K layers hold its weights exactly, the activations in bf16
     reference = from_gguf(path)
     ids = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
         ours, floats = served(ids).float(), reference(ids)
     error = (ours - floats).abs().max().item() / floats.abs().max().item()
-    assert error < 0.05, error  # INT4's regridding of each Q4_K sub-block and bf16; a wrong layer would be O(1)
+    assert error < 0.05, error  # bf16, the int8 activation steps and the INT8 head; a wrong layer would be O(1)
 
 
 def test_default_precision_follows_the_file_and_none_forces_floats(hf_model, tmp_path: Path) -> None:
@@ -75,10 +77,10 @@ def test_default_precision_follows_the_file_and_none_forces_floats(hf_model, tmp
     config = EngineConfig(block_size=4, num_blocks=16)
     assert Int8Linear in engine_modules(load_engine(q8, config, quantize="auto"))
     floats = load_engine(f16, config, quantize="auto")
-    assert not {Int4Linear, Int8Linear} & engine_modules(floats)
+    assert not {Int4Linear, Int8Linear, Q4KLinear} & engine_modules(floats)
     assert {p.dtype for p in floats.model.parameters()} == {torch.float32}
     forced = load_engine(q8, config, quantize="none")
-    assert not {Int4Linear, Int8Linear} & engine_modules(forced)
+    assert not {Int4Linear, Int8Linear, Q4KLinear} & engine_modules(forced)
     reference = from_gguf(q8)
     prompt = PROMPTS[0]
     tokens = forced.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0].token_ids

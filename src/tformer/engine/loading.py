@@ -32,6 +32,8 @@ from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.kernels.dispatch import resolve_device
 from tformer.kernels.int4 import BLOCK as INT4_BLOCK
 from tformer.kernels.int4 import TILE as INT4_TILE
+from tformer.kernels.q4k import Q4KLinear
+from tformer.kernels.q4k import fits as q4k_fits
 from tformer.kernels.q6k import Q6KLinear, fits
 from tformer.kernels.quantize import (
     WEIGHT_DTYPES,
@@ -140,9 +142,10 @@ def load_quantized(
 
     Unquantized weights load in the serving dtype itself. INT4 and INT8 from a GGUF file are built from each
     layer's blocks (`stored_layer`), with no float copy of the model; with `as_stored` (`--quantize auto`) each
-    layer takes the kernel its own type maps to (`STORED_PRECISION`: a Q4_K_M file's Q4_K layers INT4, its Q6_K
-    ones Q6_K as stored), else every layer takes `quantize`. The output head is built from its blocks too
-    (`stored_head`): as stored where it is Q6_K and `as_stored`, else INT8; a tied embedding reads its rows from it.
+    layer takes the kernel its own type maps to (`STORED_PRECISION`: a Q4_K_M file's Q4_K and Q6_K layers as
+    stored, but MoE experts' Q4_K INT4, which multiplies groups of experts in one call), else every layer takes
+    `quantize`. The output head is built from its blocks too (`stored_head`): as stored where it is Q6_K and
+    `as_stored`, else INT8; a tied embedding reads its rows from it.
     Other quantizations read float32 weights (rounding them once)."""
     if quantize is None:
         return load_pretrained(path, WEIGHT_DTYPES[resolve_dtype(dtype, quantize)])
@@ -160,6 +163,8 @@ def load_quantized(
             getattr(module, child).weight = nn.Parameter(weight.floats())
             continue
         kind = STORED_PRECISION.get(weight.kind, quantize) if as_stored else quantize
+        if kind == "q4k" and ".experts." in name:  # MoE experts multiply in groups: `Int4Linear.grouped`
+            kind = "int4"
         setattr(module, child, stored_layer(weight, kind, getattr(module, child).bias))
     if head is not None:  # Q6_K as stored or INT8 as `quantize` makes a head, and a tied embedding's rows from it
         blocks, embedding = head
@@ -173,13 +178,17 @@ def load_quantized(
 
 def stored_layer(
     weight: StoredLinear, kind: str, bias: torch.Tensor | None = None
-) -> Int4Linear | Int8Linear | Q6KLinear:
-    """An 'int4', 'int8' or 'q6k' layer from a GGUF weight's blocks. INT4 takes Q4_0, Q4_1 and Q4_K groups as they
-    are (their fp16 scale and minimum per 32 weights; Q4_K's d * scale is rounded to fp16 on the way) and
-    requantizes other types' dequantized rows in groups of 32. 'q6k' takes Q6_K blocks as they are (`Q6KLinear`).
+) -> Int4Linear | Int8Linear | Q4KLinear | Q6KLinear:
+    """An 'int4', 'int8', 'q4k' or 'q6k' layer from a GGUF weight's blocks. 'q4k' and 'q6k' take Q4_K and Q6_K
+    blocks as they are (`Q4KLinear`, `Q6KLinear`); a 'q4k' weight that does not fit is INT4. INT4 takes Q4_0, Q4_1
+    and Q4_K groups as they are (their fp16 scale and minimum per 32 weights; Q4_K's d * scale is rounded to fp16 on
+    the way) and requantizes other types' dequantized rows in groups of 32.
     INT8 requantizes the rows to one scale per row, as the float path would. A weight INT4's or Q6_K's kernel
     cannot take (out features not a multiple of 16; for Q6_K also another type) is INT8."""
     out_f, in_f = weight.shape
+    if kind == "q4k" and STORED_PRECISION.get(weight.kind) == "q4k" and q4k_fits(out_f, in_f):
+        return Q4KLinear.from_blocks(weight.rows, weight.shape, bias, weight.name)
+    kind = "int4" if kind == "q4k" else kind
     if kind == "int4" and out_f % INT4_TILE == 0 and in_f % INT4_BLOCK == 0:
         groups = weight.int4_groups()
         if groups is not None:

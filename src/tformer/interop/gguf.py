@@ -52,17 +52,18 @@ REQUIRED_METADATA = ("embedding_length", "block_count", "attention.head_count")
 ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 ROPE_FREQS = "rope_freqs.weight"
 LLAMA3_ORIGINAL_CONTEXT = 8192  # Llama 3.x's; see `llama3_rope`
-# the serving kernel of each type's layers: 2-4 bits a weight INT4, Q6_K its own blocks as stored (`kernels/q6k.py`),
-# the other 5 to 8 bits INT8. 5 bits do not fit INT4, and requantizing them to 4 costs far more perplexity than
-# INT8's one scale a row (docs/interop.md)
+# the serving kernel of each type's layers: Q4_K and Q6_K their own blocks as stored (`kernels/q4k.py`, `q6k.py`),
+# the other 2-4 bits a weight INT4, 5 to 8 bits INT8. 5 bits do not fit INT4, and requantizing them to 4 costs
+# far more perplexity than INT8's one scale a row (docs/interop.md)
 STORED_PRECISION: dict[GGMLQuantizationType, str] = {
-    **dict.fromkeys((Q.Q2_K, Q.Q3_K, Q.Q4_0, Q.Q4_1, Q.Q4_K), "int4"),
+    **dict.fromkeys((Q.Q2_K, Q.Q3_K, Q.Q4_0, Q.Q4_1), "int4"),
+    Q.Q4_K: "q4k",
     **dict.fromkeys((Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0), "int8"),
     Q.Q6_K: "q6k",
 }
 # the whole-model mode (`set_precision`'s) a layer kernel stands for: the layers of a file that the file's blocks
 # do not build (a float tensor in a Q6_K file) are quantized to INT8
-FILE_PRECISION = {"int4": "int4", "int8": "int8", "q6k": "int8"}
+FILE_PRECISION = {"int4": "int4", "int8": "int8", "q4k": "int4", "q6k": "int8"}
 ROW_TRANSFORMS = tuple(LLAMA_PERMUTED.values())  # transforms that move whole rows, which quantized blocks allow
 
 
