@@ -11,7 +11,7 @@ from reference_search import legacy_attention, reference_beam_search
 
 from tformer import ModelConfig
 from tformer.decoding import beam_search, translate_ids
-from tformer.decoding.search import length_batches
+from tformer.decoding.search import MAX_WORKERS, default_workers, length_batches
 from tformer.layers.kv_cache import KVCache
 from tformer.models import EncoderDecoder
 
@@ -264,10 +264,14 @@ def test_batches_searched_side_by_side_give_the_same_translations_in_input_order
     model = sharp_model("paper", vocab_size=12, seed=3)
     generator = torch.Generator().manual_seed(1)
     sources = [torch.randint(3, 12, (n,), generator=generator).tolist() for n in [9, 2, 14, 5, 5, 1, 12, 7, 3, 10]]
-    one = translate_ids(model, sources, BOS, EOS, PAD, beam_size=3, batch_size=3)
+    one = translate_ids(model, sources, BOS, EOS, PAD, beam_size=3, batch_size=3, workers=1)
     threads = torch.get_num_threads()
     done = []
     two = translate_ids(model, sources, BOS, EOS, PAD, beam_size=3, batch_size=3, workers=2, progress=done.append)
     assert two == one and sorted(done) == [1, 3, 3, 3] and torch.get_num_threads() == threads
+    # the default: one batch per thread on the CPU (at most MAX_WORKERS), one on an accelerator
+    assert default_workers(torch.device("cpu")) == min(threads, MAX_WORKERS)
+    assert default_workers(torch.device("meta")) == 1
+    assert translate_ids(model, sources, BOS, EOS, PAD, beam_size=3, batch_size=3) == one
     with pytest.raises(ValueError, match="workers"):
         translate_ids(model, sources, BOS, EOS, PAD, workers=0)

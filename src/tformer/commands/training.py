@@ -33,6 +33,7 @@ def translate(
     patience: float = 0.0,
     batch_size: int = 32,
     batch_tokens: int = 0,
+    workers: int = 0,
     dtype: str = "auto",
     quantize: str | None = None,
     device: str = "cpu",
@@ -49,6 +50,7 @@ def translate(
       patience (1 is its default; 0 searches until no live beam can beat the best, tformer's exact search)
     batch_size: most sentences a batch holds (batches are cut from the sentences sorted by length)
     batch_tokens: most padded source tokens a batch holds (0: no limit but batch_size)
+    workers: batches searched at once, torch's threads shared among them (0: one per thread on the CPU, at most 4)
     dtype: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized, else float32)
     quantize: int8 (integer weights, activations rounded in two int8 steps) or w8a8 (one step) for the linear
       layers, on the CPU's integer dot products (default: none; docs/translation.md has their BLEU and speed)
@@ -64,6 +66,8 @@ def translate(
         raise RequestError("give sentences as arguments or --input FILE, not both")
     if patience < 0:
         raise RequestError(f"--patience is {patience}; give 0 (exact search) or a factor above 0, e.g. 1")
+    if workers < 0:
+        raise RequestError(f"--workers is {workers}; give 0 (one per thread) or a number of batches, e.g. 1")
     translator = Translator.load(model, dtype, quantize)
     translator.model.to(where)
     if sentences:
@@ -90,6 +94,7 @@ def translate(
             patience=patience or None,
             batch_tokens=batch_tokens,
             progress=None if progress is None else progress.update,
+            workers=workers or None,
         )
     finally:
         if progress is not None:
@@ -114,6 +119,7 @@ def evaluate(
     patience: float = 0.0,
     limit: int = 0,
     block_size: int = 0,
+    workers: int = 0,
     dtype: str = "auto",
     quantize: str | None = None,
     device: str = "cpu",
@@ -129,6 +135,7 @@ def evaluate(
       patience; 0: exact search)
     limit: score only the first N sentences (0: all)
     block_size: decoder LMs: score the lines packed into blocks of this many tokens (0: each line on its own)
+    workers: translation: batches searched at once (0: one per thread on the CPU, at most 4)
     dtype: translation: weights and activations: float32, bfloat16, float16, or auto (bfloat16 if quantized)
     quantize: translation: int8 or w8a8 linear layers (default: none)
     device: where the model runs: cpu, cuda, cuda:N, mps, ... (docs/devices.md)
@@ -155,6 +162,7 @@ def evaluate(
         device=where,
         dtype=dtype,
         quantize=quantize,
+        workers=workers or None,
     )
     for sample in result.samples(3):
         print(f"src: {sample['source']}\nhyp: {sample['hypothesis']}\nref: {sample['reference']}\n")

@@ -21,6 +21,9 @@ from tformer.models import DecoderLM, EncoderDecoder, RecurrentCache
 
 Hypothesis = tuple[float, list[int]]  # (log p / lp, tokens without specials)
 Candidate = tuple[float, int, int]  # (summed log p, parent beam, next token)
+# batches searched side by side by default on the CPU: two measured faster than one on 2 cores with the same
+# outputs (docs/translation.md); more is unmeasured, and each holds its own KV caches
+MAX_WORKERS = 4
 
 
 def length_penalty(length: int, alpha: float) -> float:
@@ -361,7 +364,7 @@ def translate_ids(
     patience: float | None = None,
     batch_tokens: int = 0,
     progress: Callable[[int], object] | None = None,
-    workers: int = 1,
+    workers: int | None = None,
 ) -> list[list[int]]:
     """Decodes each source (token ids, </s> appended here) into at most len(source) + 1 + `extra_len` tokens.
 
@@ -374,7 +377,7 @@ def translate_ids(
     `workers` > 1 searches that many batches at once, each on a thread of its own with torch's intra-op threads
     shared out among them (set back after): a beam search step is many small ops, and several batches side by side
     keep the cores busier than one batch's ops split across them (docs/translation.md measures it). The results
-    do not depend on it.
+    do not depend on it. None: `default_workers` for the model's device.
     """
     limit = model.config.max_seq_len
     for i, source in enumerate(sources):
@@ -383,9 +386,11 @@ def translate_ids(
                 f"source {i} has {len(source)} tokens (+ </s>), more than this model's max_seq_len of {limit} "
                 "positions; split it into shorter sentences"
             )
+    device = next(model.parameters()).device
+    if workers is None:
+        workers = default_workers(device)
     if workers < 1:
         raise ValueError(f"workers is {workers}; give 1 (one batch at a time) or more")
-    device = next(model.parameters()).device
 
     def search(chunk: list[int]) -> list[list[int]]:
         rows = [[*sources[i], eos_id] for i in chunk]
@@ -418,6 +423,12 @@ def translate_ids(
             pool.shutdown(cancel_futures=True)
             torch.set_num_threads(threads)
     return results
+
+
+def default_workers(device: torch.device) -> int:
+    """Batches searched at once by default: on the CPU one per intra-op thread, at most MAX_WORKERS (each then
+    runs on threads / workers of them), else one (an accelerator runs one batch's ops in parallel itself)."""
+    return min(torch.get_num_threads(), MAX_WORKERS) if device.type == "cpu" else 1
 
 
 def length_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int = 0) -> list[list[int]]:

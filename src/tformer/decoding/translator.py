@@ -54,7 +54,7 @@ class Translator:
         patience: float | None = None,
         batch_tokens: int = 0,
         progress: Callable[[int], object] | None = None,
-        workers: int = 1,
+        workers: int | None = None,
     ) -> list[str]:
         """Translations of plain sentences, in input order (sentences are batched by length); greedy when
         `beam_size` is 1; `alpha` is the length penalty's exponent, ((5 + len) / 6) ** alpha.
@@ -63,7 +63,7 @@ class Translator:
         stops a sentence once round(beam_size * p) hypotheses have finished, as CTranslate2's `patience`. A batch
         holds at most `batch_size` sentences and, with `batch_tokens`, that many padded source tokens. `progress(n)`
         is called as each batch of n sentences is done (a progress bar's `update`). `workers` > 1 searches that many
-        batches at once, torch's threads shared among them (`translate_ids`).
+        batches at once, torch's threads shared among them (`translate_ids`; None: one per CPU thread, at most 4).
         """
         tokenizer = self.tokenizer
         sources = tokenizer.encode_batch(list(sentences))

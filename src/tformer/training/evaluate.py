@@ -48,15 +48,19 @@ def evaluate_translation(
     beam_size: int = 4,
     alpha: float = 0.6,
     patience: float | None = None,
+    workers: int | None = None,
 ) -> TranslationResult:
-    """Translates the sources of `pairs` and scores them against the references with sacreBLEU."""
+    """Translates the sources of `pairs` (`workers` batches at once, `Translator.translate_batch`) and scores them
+    against the references with sacreBLEU."""
     sources = [s for s, _ in pairs]
     references = [r for _, r in pairs]
     start = time.perf_counter()
     # imported on use: a training run that never translates does not load the decoding package
     from tformer.decoding.translator import Translator
 
-    hypotheses = Translator(model, tokenizer).translate_batch(sources, beam_size, alpha, patience=patience)
+    hypotheses = Translator(model, tokenizer).translate_batch(
+        sources, beam_size, alpha, patience=patience, workers=workers
+    )
     seconds = time.perf_counter() - start
     bleu = sacrebleu.metrics.BLEU()
     score = bleu.corpus_score(hypotheses, [references])

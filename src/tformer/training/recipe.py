@@ -100,6 +100,7 @@ def evaluate_checkpoint(
     device: str | torch.device = "cpu",
     dtype: str = "auto",
     quantize: str | None = None,
+    workers: int | None = None,
 ) -> TranslationResult:
     """sacreBLEU of a checkpoint on the embedded corpus's `split` or on a parallel file (`patience`: the beam
     search's early stop, Translator.translate_batch), decoded on `device` with the weights' `dtype` and `quantize`
@@ -108,5 +109,5 @@ def evaluate_checkpoint(
     translator.model.to(device)
     pairs = bible_pairs(data.split(":", 1)[1], split) if data.startswith("bible:") else read_parallel(data)
     return evaluate_translation(
-        translator.model, translator.tokenizer, pairs[:limit] if limit else pairs, beam_size, alpha, patience
+        translator.model, translator.tokenizer, pairs[:limit] if limit else pairs, beam_size, alpha, patience, workers
     )
