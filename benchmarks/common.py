@@ -166,14 +166,14 @@ def machine_info() -> str:
 
 def kernel_paths() -> str:
     """Which attention and integer-matmul kernels tformer's engine runs on this machine, for a report's header."""
-    from tformer.kernels import causal_attention, elementwise, int4, paged_attention, w8a8
+    from tformer.kernels import causal_attention, elementwise, int4, paged_attention, q4k, q6k, w8a8
 
     if paged_attention.kernel() is None:
         attention = "gathered keys and values (the in-place kernel is unavailable here)"
     else:
         attention = "in place over the paged cache (paged_decode_attention)"
     lines = [f"tformer decode attention: {attention}"]
-    for name, module in (("int4", int4), ("w8a8", w8a8)):
+    for name, module in (("int4", int4), ("q4k", q4k), ("q6k", q6k), ("w8a8", w8a8)):
         if not module.available():
             how = "the formula in torch (the kernel is unavailable here)"
         else:

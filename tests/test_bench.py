@@ -3,13 +3,19 @@ advice on a tiny engine."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import make_model, tiny_config
 from torch import nn
 
 from tformer.engine import Engine, EngineConfig
 from tformer.engine.bench import bench_engine, format_bench, remedies, weight_bytes_per_token
+from tformer.kernels import q4k, q6k
+from tformer.kernels.q4k import Q4KLinear
+from tformer.kernels.q6k import Q6KLinear
 from tformer.kernels.quantize import set_precision
+
+BLOCK_BYTES = {Q4KLinear: q4k.BLOCK_BYTES, Q6KLinear: q6k.BLOCK_BYTES}
 
 
 def plain_count(model: nn.Module, tied: bool) -> int:
@@ -52,3 +58,14 @@ def test_bench_reports_every_phase_and_the_remedies_that_apply() -> None:
     )
     int8_kv = Engine(model, None, EngineConfig(prefix_caching=False, kv_cache_bytes=8 << 20, kv_cache_dtype="int8"))
     assert any(line.endswith(", int8 keys and values") for line in remedies(int8_kv, result))
+
+
+@pytest.mark.parametrize("layer", [Q4KLinear, Q6KLinear])
+def test_a_gguf_layer_served_as_stored_counts_as_quantized(layer: type) -> None:
+    model = make_model(tiny_config("tiny-llama", d_model=256, vocab_size=96))
+    engine = Engine(model, None, EngineConfig(prefix_caching=False, kv_cache_bytes=8 << 20))
+    result = bench_engine(engine, prompt_tokens=4, new_tokens=2, batch=1)
+    assert any(line.startswith("quantization: off") for line in remedies(engine, result))
+    blocks = torch.randint(0, 256, (96, BLOCK_BYTES[layer]), dtype=torch.uint8)  # any bytes are blocks
+    model.lm_head = layer.from_blocks(blocks, (96, 256))
+    assert any(line == "quantization: on" for line in remedies(engine, result))

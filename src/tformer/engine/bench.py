@@ -18,7 +18,7 @@ from torch import nn
 
 from tformer.engine.engine import Engine
 from tformer.engine.sampling import SamplingParams
-from tformer.kernels.quantize import Int4Linear, Int8Linear, W8A8Linear, model_bytes
+from tformer.kernels.quantize import QUANTIZED_LINEARS, model_bytes
 
 
 @dataclass
@@ -126,7 +126,7 @@ def _kv_cache_advice(kv_cache_dtype: str, dtype: torch.dtype) -> str:
 def remedies(engine: Engine, result: BenchResult) -> list[str]:
     """The ways to faster inference, each saying whether this engine already uses it or what it would gain."""
     model = engine.model
-    quantized = any(isinstance(m, (Int8Linear, Int4Linear, W8A8Linear)) for m in model.modules())
+    quantized = any(isinstance(m, QUANTIZED_LINEARS) for m in model.modules())
     dtype = next(model.parameters()).dtype
     gain = result.batch_decode_tokens_per_s / result.decode_tokens_per_s
     return [

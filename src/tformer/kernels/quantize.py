@@ -24,6 +24,7 @@ from tformer.kernels.elementwise import use_fused_elementwise
 from tformer.kernels.fp8 import Fp8Linear
 from tformer.kernels.fusion import concat_bias, fuse_projections
 from tformer.kernels.int4 import Int4Linear
+from tformer.kernels.q4k import Q4KLinear
 from tformer.kernels.q6k import Q6KLinear
 from tformer.kernels.w8a8 import TILE, W8A8Linear, pack, quantize_rows
 
@@ -192,9 +193,13 @@ def model_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+# every linear layer that holds its weight quantized, each with `dequantized()`
+QUANTIZED_LINEARS = (Int8Linear, Int4Linear, W8A8Linear, Fp8Linear, Q4KLinear, Q6KLinear)
+
+
 def dequantize_linear(module: nn.Module) -> torch.Tensor:
     """The floating-point weight a quantized linear layer stands for (for tests and error reports)."""
-    if isinstance(module, (Int8Linear, Int4Linear, W8A8Linear, Fp8Linear, Q6KLinear)):
+    if isinstance(module, QUANTIZED_LINEARS):
         return module.dequantized()
     if isinstance(module, nn.Linear):
         return module.weight.detach().float()
