@@ -32,9 +32,9 @@ from tformer.interop.gguf_tokenizer import tokenizer_from_gguf
 from tformer.kernels.dispatch import resolve_device
 from tformer.kernels.int4 import BLOCK as INT4_BLOCK
 from tformer.kernels.int4 import TILE as INT4_TILE
+from tformer.kernels.kquant import fits
 from tformer.kernels.q4k import Q4KLinear
-from tformer.kernels.q4k import fits as q4k_fits
-from tformer.kernels.q6k import Q6KLinear, fits
+from tformer.kernels.q6k import Q6KLinear
 from tformer.kernels.quantize import (
     WEIGHT_DTYPES,
     Int4Linear,
@@ -186,7 +186,7 @@ def stored_layer(
     INT8 requantizes the rows to one scale per row, as the float path would. A weight INT4's or Q6_K's kernel
     cannot take (out features not a multiple of 16; for Q6_K also another type) is INT8."""
     out_f, in_f = weight.shape
-    if kind == "q4k" and STORED_PRECISION.get(weight.kind) == "q4k" and q4k_fits(out_f, in_f):
+    if kind == "q4k" and STORED_PRECISION.get(weight.kind) == "q4k" and fits(out_f, in_f):
         return Q4KLinear.from_blocks(weight.rows, weight.shape, bias, weight.name)
     kind = "int4" if kind == "q4k" else kind
     if kind == "int4" and out_f % INT4_TILE == 0 and in_f % INT4_BLOCK == 0:

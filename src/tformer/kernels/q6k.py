@@ -23,20 +23,15 @@ multiplies by its dequantized weight.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from tformer.errors import ConfigError
-from tformer.kernels import dispatch, native
-from tformer.kernels.fusion import concat_bias
+from tformer.kernels import native
+from tformer.kernels.kquant import BLOCK, TILE, KQuantLinear, check_operands, rounded_activations
 
-TILE, BLOCK, SUB = 16, 256, 16  # output rows a chunk holds, input columns (a super-block), columns per sub-scale
+SUB = 16  # columns per sub-scale
 GROUP = 384  # bytes of 32 columns: 256 of low nibbles, 128 of high bit pairs
 SCALES, HALVES = 8 * GROUP, 8 * GROUP + 256  # where a chunk's sub-scales and fp16 d start
 CHUNK = HALVES + 2 * TILE  # 3360 bytes
 BLOCK_BYTES = 210  # a Q6_K super-block in the file: 128 bytes of low nibbles, 64 of high pairs, 16 scales, fp16 d
-FINE = 254  # the activations' second rounding: steps per step of the first
-KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 # kernel(): the library, which implements `tformer::q6k_matmul` on the CPU once loaded; available(); instructions()
 UNAVAILABLE = "the Q6_K kernel is unavailable: Q6_K layers multiply by dequantized weights"
@@ -120,90 +115,27 @@ def q6k_matmul(x: torch.Tensor, packed: torch.Tensor, portable: bool = False) ->
     `portable` runs the portable loop where a vectorized one was built (for tests): the same numbers."""
     if not available():
         raise RuntimeError("q6k_matmul: the Q6_K kernel could not be built here (see the log)")
-    if x.dim() != 2 or packed.dim() != 3 or x.shape[1] != packed.shape[1] * BLOCK or packed.shape[2] != CHUNK:
-        raise ConfigError(
-            f"q6k_matmul needs x (M, K) and chunks (N / {TILE}, K / {BLOCK}, {CHUNK}); got x {list(x.shape)} and "
-            f"chunks {list(packed.shape)}"
-        )
+    check_operands("q6k_matmul", x, packed, CHUNK)
     return torch.ops.tformer.q6k_matmul(x, packed, packed.shape[0] * TILE, portable)
 
 
 def q6k_formula(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """What the kernel computes, in torch (float64): each block of 256 activations rounded in two steps as the
     kernel rounds it, times the dequantized weight. Equal to the kernel up to the order of its float sums."""
-    flat = x.double().view(x.shape[0], -1, BLOCK)
-    largest = flat.abs().amax(-1, keepdim=True).float()
-    inverse = torch.where(largest > 0, torch.full_like(largest, 127).div(largest), 0)
-    scaled = flat.float() * inverse  # in float32, as the kernel scales
-    coarse = torch.round(scaled).clamp(-127, 127)
-    fine = torch.round((scaled - coarse) * FINE).clamp(-127, 127)
-    d = largest / (127 * FINE)
-    rounded = ((coarse * FINE + fine).double() * d.double()).view(x.shape[0], -1)
-    return rounded @ dequantize(packed).double().T
+    return rounded_activations(x) @ dequantize(packed).double().T
 
 
-class Q6KLinear(nn.Module):
+def _pack_blocks(blocks: torch.Tensor, n: int, in_features: int) -> torch.Tensor:
+    u, scales, d = split_blocks(blocks)
+    return pack(u.view(n, in_features), scales.reshape(n, -1), d.view(n, -1))
+
+
+class Q6KLinear(KQuantLinear):
     """y = x W^T + b with W held as a GGUF file's Q6_K blocks (`pack`), multiplied on the CPU's integer dot
     products (`q6k_matmul`)."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.register_buffer("packed", packed)
-        self.bias = bias
-        self.out_features, self.in_features = packed.shape[0] * TILE, packed.shape[1] * BLOCK
-
-    @classmethod
-    def from_blocks(
-        cls, blocks: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None = None, name: str = "weight"
-    ) -> Q6KLinear:
-        """A layer from a weight's raw Q6_K blocks, one row of K / 256 blocks per output row: (N, K / 256 * 210)
-        uint8 for shape (N, K) = (out, in). N must be a multiple of 16 and K of 256 (`fits`); `name` is the
-        weight's, for the error."""
-        out_f, in_f = shape
-        if not fits(out_f, in_f) or tuple(blocks.shape) != (out_f, in_f // BLOCK * BLOCK_BYTES):
-            raise ConfigError(
-                f"{name}: a Q6_K layer needs out_features a multiple of {TILE}, in_features of {BLOCK} and "
-                f"(out, in / {BLOCK} * {BLOCK_BYTES}) uint8 bytes of blocks; got shape {list(shape)} and blocks "
-                f"{list(blocks.shape)}"
-            )
-        packed = []
-        step = max(TILE, (1 << 22) // max(in_f, 1) // TILE * TILE)  # about 4M weights at a time: small temporaries
-        for start in range(0, out_f, step):
-            rows = blocks[start : start + step]
-            u, scales, d = split_blocks(rows.reshape(-1, BLOCK_BYTES))
-            n = rows.shape[0]
-            packed.append(pack(u.view(n, in_f), scales.reshape(n, -1), d.view(n, -1)))
-        return cls(torch.cat(packed) if len(packed) > 1 else packed[0], bias)
-
-    @classmethod
-    def concatenated(cls, parts: list[Q6KLinear]) -> Q6KLinear:
-        """One layer with the output rows of `parts` in order: their chunks joined as they are."""
-        return cls(torch.cat([part.packed for part in parts]), concat_bias(parts))
-
-    def dequantized(self) -> torch.Tensor:
-        return dequantize(self.packed)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The float32 weight rows `ids` (any shape; the result is ids.shape + (in_features,)), read from their
-        tiles alone: exactly `dequantized()[ids]` (a tied embedding's lookup)."""
-        flat = ids.reshape(-1).to(self.packed.device)
-        return dequantize(self.packed, flat).reshape(*ids.shape, self.in_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ConfigError(
-                f"a Q6_K layer of {self.in_features} input features got an input of shape {list(x.shape)}; its "
-                f"last dimension must be {self.in_features}"
-            )
-        flat = x.reshape(-1, self.in_features)
-        if dispatch.native(flat.device) and flat.dtype in KERNEL_DTYPES and available():
-            out = torch.ops.tformer.q6k_matmul(flat, self.packed, self.out_features)
-        else:
-            out = F.linear(flat, self.dequantized().to(device=flat.device, dtype=flat.dtype))
-        out = out.reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
-
-
-def fits(out_features: int, in_features: int) -> bool:
-    """Whether a weight of this shape can be a Q6KLinear (whole tiles of 16 rows, whole super-blocks)."""
-    return out_features > 0 and in_features > 0 and out_features % TILE == 0 and in_features % BLOCK == 0
+    TYPE, BLOCK_BYTES = "Q6_K", BLOCK_BYTES
+    pack_blocks = staticmethod(_pack_blocks)
+    dequantize = staticmethod(dequantize)
+    multiply = staticmethod(torch.ops.tformer.q6k_matmul)
+    available = staticmethod(available)
