@@ -1,13 +1,14 @@
-"""A beam search's caches, read in place by the paged decode-attention kernel: nothing copied, nothing reordered.
+"""A beam search's caches, read in place through slot tables: nothing copied, nothing reordered.
 
 `BeamKVCache` holds the self-attention keys. A beam search step gives each beam row a parent; the plain `KVCache`
 then copies the parent's keys into the row (`KVCache.reorder`), every layer, every step. Here each row writes only
 the keys of its own new tokens, into its own cache row, and a slot table says, for each beam row and position, where
 that beam's key lies: a reorder takes the parents' table rows (a few integers per beam), and the attention reads the
-keys through the table with `kernels.paged_attention` (the engine's paged-cache kernel: the cache is laid out as its
-slots, (rows * max_len, Hkv, D), so row r's key at position t is slot r * max_len + t). All rows of a batch are at the
-same position in a search step, so the slot a row writes was never written for any live beam's earlier positions: no
-beam's keys are overwritten. Rows that leave the batch (finished sentences) leave the table; the cache keeps its rows.
+keys through the table with `kernels.beam_attention` (the engine's `kernels.paged_attention` where it is not built;
+the cache is laid out as slots, (rows * max_len, Hkv, D), so row r's key at position t is slot r * max_len + t).
+All rows of a batch are at the same position in a search step, so the slot a row writes was never written for any
+live beam's earlier positions: no beam's keys are overwritten. Rows that leave the batch (finished sentences) leave
+the table; the cache keeps its rows.
 
 `BeamMemory` holds the cross-attention keys and values, projected once per source (B, S, Hkv, D) and never repeated
 per beam: beam row r reads its source's real (unpadded) keys through a slot table of its own, with the same kernel.
