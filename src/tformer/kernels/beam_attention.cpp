@@ -17,26 +17,6 @@
 #ifdef TFORMER_VECTOR_ATTENTION
 constexpr int64_t MAX_CHUNKS = 256 / WIDTH;  // head_dim up to 256
 
-// scores[0 .. n-1] = their softmax, in place
-static void softmax_in_place(float* scores, int64_t n) {
-    const int64_t whole = n - n % WIDTH;
-    V top_lanes = Lanes::set1(-INFINITY);
-    for (int64_t t = 0; t < whole; t += WIDTH) top_lanes = Lanes::max(top_lanes, Lanes::load(scores + t));
-    float top = Lanes::reduce_max(top_lanes);
-    for (int64_t t = whole; t < n; ++t) top = std::fmax(top, scores[t]);
-    V total_lanes = Lanes::zero();
-    for (int64_t t = 0; t < whole; t += WIDTH) {
-        const V e = exp_lanes(Lanes::sub(Lanes::load(scores + t), Lanes::set1(top)));
-        Lanes::store(scores + t, e);
-        total_lanes = Lanes::add(total_lanes, e);
-    }
-    float total = Lanes::reduce_add(total_lanes);
-    for (int64_t t = whole; t < n; ++t) total += (scores[t] = std::exp(scores[t] - top));
-    const V inverse = Lanes::set1(1.f / total);
-    for (int64_t t = 0; t < whole; t += WIDTH) Lanes::store(scores + t, Lanes::mul(Lanes::load(scores + t), inverse));
-    for (int64_t t = whole; t < n; ++t) scores[t] *= 1.f / total;
-}
-
 // One query head of row r (its D floats at q) over its n keys of KV head g; CHUNKS = D / WIDTH when not 0
 template <int64_t CHUNKS, typename T>
 static void attend_query(const T* q, const T* k, const T* v, const int64_t* row_slots, int64_t n, int64_t Hkv,

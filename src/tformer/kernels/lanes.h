@@ -1,6 +1,6 @@
-// Vector lanes for tformer's attention kernels (paged_attention.cpp, causal_attention.cpp): a register of `WIDTH`
-// floats, AVX-512's 16 or else AVX2's 8 (a CPU such as AMD's Zen 3), with the few operations the kernels use, and
-// e^x over a register. Without either instruction set TFORMER_VECTOR_ATTENTION stays undefined and the kernels keep
+// Vector lanes for tformer's attention kernels (paged_attention.cpp, beam_attention.cpp, causal_attention.cpp): a
+// register of `WIDTH` floats, AVX-512's 16 or else AVX2's 8 (a CPU such as AMD's Zen 3), with the few operations the
+// kernels use, e^x over a register, and a row of scores' softmax. Without either instruction set TFORMER_VECTOR_ATTENTION stays undefined and the kernels keep
 // their portable loops. Included after native.h.
 #pragma once
 
@@ -90,4 +90,30 @@ static inline V exp_lanes(V x) {
         p = Lanes::fmadd(p, r, Lanes::set1(c));
     return Lanes::times_power_of_two(p, n);
 }
+
+// scores[0 .. n-1] = their softmax, in place; with `top_total`, e^(score - top) only, and top and their sum there
+// (a split of the keys whose parts are merged later)
+static inline void softmax_in_place(float* scores, int64_t n, float* top_total = nullptr) {
+    const int64_t whole = n - n % WIDTH;  // scores past it take the scalar tail
+    V top_lanes = Lanes::set1(-INFINITY);
+    for (int64_t t = 0; t < whole; t += WIDTH) top_lanes = Lanes::max(top_lanes, Lanes::load(scores + t));
+    float top = Lanes::reduce_max(top_lanes);
+    for (int64_t t = whole; t < n; ++t) top = std::fmax(top, scores[t]);
+    V total_lanes = Lanes::zero();
+    for (int64_t t = 0; t < whole; t += WIDTH) {
+        const V e = exp_lanes(Lanes::sub(Lanes::load(scores + t), Lanes::set1(top)));
+        Lanes::store(scores + t, e);
+        total_lanes = Lanes::add(total_lanes, e);
+    }
+    float total = Lanes::reduce_add(total_lanes);
+    for (int64_t t = whole; t < n; ++t) total += (scores[t] = std::exp(scores[t] - top));
+    if (top_total) {
+        top_total[0] = top, top_total[1] = total;
+        return;
+    }
+    const V inverse = Lanes::set1(1.f / total);
+    for (int64_t t = 0; t < whole; t += WIDTH) Lanes::store(scores + t, Lanes::mul(Lanes::load(scores + t), inverse));
+    for (int64_t t = whole; t < n; ++t) scores[t] *= 1.f / total;
+}
 #endif
+

@@ -63,27 +63,6 @@ static void gather_tile(const C* cache, const float* scales, const int64_t* row_
     }
 }
 
-// scores[0 .. n-1] = their softmax, in place; with `top_total`, e^(score - top) only, and top and their sum there
-static void softmax_in_place(float* scores, int64_t n, float* top_total) {
-    const int64_t whole = n - n % WIDTH;  // scores past it take the scalar tail
-    V top_lanes = Lanes::set1(-INFINITY);
-    for (int64_t t = 0; t < whole; t += WIDTH) top_lanes = Lanes::max(top_lanes, Lanes::load(scores + t));
-    float top = Lanes::reduce_max(top_lanes);
-    for (int64_t t = whole; t < n; ++t) top = std::fmax(top, scores[t]);
-    V total_lanes = Lanes::zero();
-    for (int64_t t = 0; t < whole; t += WIDTH) {
-        const V e = exp_lanes(Lanes::sub(Lanes::load(scores + t), Lanes::set1(top)));
-        Lanes::store(scores + t, e);
-        total_lanes = Lanes::add(total_lanes, e);
-    }
-    float total = Lanes::reduce_add(total_lanes);
-    for (int64_t t = whole; t < n; ++t) total += (scores[t] = std::exp(scores[t] - top));
-    if (top_total)
-        top_total[0] = top, top_total[1] = total;
-    else
-        for (int64_t t = 0; t < n; ++t) scores[t] *= 1.f / total;
-}
-
 // One row's KV heads g0 .. g0 + heads - 1 and their query heads (rep each, q and out starting at the first):
 // scores, softmax and the weighted sum of values, WIDTH lanes at a time, over tiles of TILE_KEYS keys. D % WIDTH == 0,
 // and D == CHUNKS * WIDTH when CHUNKS is not 0 (the common head sizes, whose loops the compiler then unrolls so that
