@@ -14,6 +14,7 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include "native.h"
+#include "chunked_op.h"
 
 using torch::stable::Tensor;
 
@@ -432,28 +433,9 @@ static int matmul(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
 }
 
 // tformer::q6k_matmul(Tensor x, Tensor packed, int out_features, bool portable=False) -> Tensor, defined in q6k.py.
-// The checks repeat the ones the kernel relies on, so a bad call raises instead of reading out of bounds.
 static Tensor q6k_matmul_op(Tensor x, Tensor packed, int64_t out_features, bool portable) {
-    using torch::headeronly::ScalarType;
-    const bool bf16 = x.scalar_type() == ScalarType::BFloat16;
-    if (!bf16 && x.scalar_type() != ScalarType::Float)
-        throw std::invalid_argument("q6k_matmul: x must be bfloat16 or float32");
-    if (packed.scalar_type() != ScalarType::Byte || packed.dim() != 3 || x.dim() != 2 || out_features % TILE ||
-        packed.size(0) != out_features / TILE || packed.size(1) * BLOCK != x.size(1) || packed.size(2) != CHUNK)
-        throw std::invalid_argument("q6k_matmul: x (M, K) and packed uint8 chunks (N / 16, K / 256, 3360) for N = "
-                                    "out_features, K a multiple of 256, N of 16");
-    if (!x.is_contiguous()) x = torch::stable::contiguous(x);
-    if (!packed.is_contiguous()) packed = torch::stable::contiguous(packed);
-    const int64_t M = x.size(0), K = x.size(1), N = out_features;
-    Tensor out = torch::stable::new_empty(x, {M, N});
-    const int threads = int(torch::stable::get_num_threads());
-    const uint8_t* w = static_cast<const uint8_t*>(packed.data_ptr());
-    const int status = bf16 ? matmul(static_cast<const uint16_t*>(x.data_ptr()), M, K, w, N,
-                                     static_cast<uint16_t*>(out.data_ptr()), threads, portable)
-                             : matmul(static_cast<const float*>(x.data_ptr()), M, K, w, N,
-                                      static_cast<float*>(out.data_ptr()), threads, portable);
-    if (status) throw std::runtime_error("q6k_matmul: no memory for the quantized activations");
-    return out;
+    return chunked_matmul_op("q6k_matmul", x, packed, out_features, portable, TILE, BLOCK, CHUNK,
+                             [](auto... args) { return matmul(args...); });
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tformer, CPU, m) { m.impl("q6k_matmul", TORCH_BOX(&q6k_matmul_op)); }
