@@ -33,6 +33,35 @@ def check_operands(op: str, x: torch.Tensor, packed: torch.Tensor, chunk: int) -
         )
 
 
+_LIBRARY = torch.library.Library("tformer", "FRAGMENT")
+
+
+def _output_like(x: torch.Tensor, packed: torch.Tensor, out_features: int, portable: bool = False) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)  # the op's output, for compiled graphs
+
+
+def define_matmul(
+    name: str, kind: str, chunk: int, available: Callable[[], bool]
+) -> Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]:
+    """Defines the op `tformer::<name>(x, packed, out_features, portable)`, whose CPU code the type's C++ kernel
+    registers, and gives its checked entry `<name>(x, packed, portable=False)`: x (M, K) in bf16 or fp32 times the
+    weight the chunks stand for, transposed, (M, N) in x's dtype; `portable` runs the portable loop where a
+    vectorized one was built (for tests): the same numbers."""
+    _LIBRARY.define(f"{name}(Tensor x, Tensor packed, int out_features, bool portable=False) -> Tensor")
+    torch.library.register_fake(f"tformer::{name}")(_output_like)
+    op = getattr(torch.ops.tformer, name)
+
+    def matmul(x: torch.Tensor, packed: torch.Tensor, portable: bool = False) -> torch.Tensor:
+        if not available():
+            raise RuntimeError(f"{name}: the {kind} kernel could not be built here (see the log)")
+        check_operands(name, x, packed, chunk)
+        return op(x, packed, packed.shape[0] * TILE, portable)
+
+    matmul.__name__ = matmul.__qualname__ = name
+    matmul.__doc__ = define_matmul.__doc__
+    return matmul
+
+
 def rounded_activations(x: torch.Tensor) -> torch.Tensor:
     """x (M, K) as the kernels round it, in float64: each block of 256 scaled to 127 / max |x| in float32, rounded,
     and the remainder rounded again in steps FINE times finer."""

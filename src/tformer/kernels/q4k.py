@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from tformer.kernels import native
-from tformer.kernels.kquant import BLOCK, TILE, KQuantLinear, check_operands, rounded_activations
+from tformer.kernels.kquant import BLOCK, TILE, KQuantLinear, define_matmul, rounded_activations
 
 SUB = 32  # columns per sub-scale and minimum
 SCALES, MINS, HALVES = 2048, 2176, 2304  # where a chunk's sub-scales, minimums and fp16 d (then dmin) start
@@ -101,22 +101,7 @@ def dequantize(packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.
     return (q.float().view(n, -1, SUB) * factor[..., None] - offset[..., None]).view(n, -1)
 
 
-_LIBRARY = torch.library.Library("tformer", "FRAGMENT")
-_LIBRARY.define("q4k_matmul(Tensor x, Tensor packed, int out_features, bool portable=False) -> Tensor")
-
-
-@torch.library.register_fake("tformer::q4k_matmul")
-def _(x: torch.Tensor, packed: torch.Tensor, out_features: int, portable: bool = False) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
-
-
-def q4k_matmul(x: torch.Tensor, packed: torch.Tensor, portable: bool = False) -> torch.Tensor:
-    """x (M, K) in bf16 or fp32 times the weight the chunks stand for, transposed: (M, N), in x's dtype.
-    `portable` runs the portable loop where a vectorized one was built (for tests): the same numbers."""
-    if not available():
-        raise RuntimeError("q4k_matmul: the Q4_K kernel could not be built here (see the log)")
-    check_operands("q4k_matmul", x, packed, CHUNK)
-    return torch.ops.tformer.q4k_matmul(x, packed, packed.shape[0] * TILE, portable)
+q4k_matmul = define_matmul("q4k_matmul", "Q4_K", CHUNK, available)
 
 
 def q4k_formula(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from tformer.kernels import native
-from tformer.kernels.kquant import BLOCK, TILE, KQuantLinear, check_operands, rounded_activations
+from tformer.kernels.kquant import BLOCK, TILE, KQuantLinear, define_matmul, rounded_activations
 
 SUB = 16  # columns per sub-scale
 GROUP = 384  # bytes of 32 columns: 256 of low nibbles, 128 of high bit pairs
@@ -101,22 +101,7 @@ def dequantize(packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.
     return ((u - 32).float().view(n, -1, SUB) * factor[..., None]).view(n, -1)
 
 
-_LIBRARY = torch.library.Library("tformer", "FRAGMENT")
-_LIBRARY.define("q6k_matmul(Tensor x, Tensor packed, int out_features, bool portable=False) -> Tensor")
-
-
-@torch.library.register_fake("tformer::q6k_matmul")
-def _(x: torch.Tensor, packed: torch.Tensor, out_features: int, portable: bool = False) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
-
-
-def q6k_matmul(x: torch.Tensor, packed: torch.Tensor, portable: bool = False) -> torch.Tensor:
-    """x (M, K) in bf16 or fp32 times the weight the chunks stand for, transposed: (M, N), in x's dtype.
-    `portable` runs the portable loop where a vectorized one was built (for tests): the same numbers."""
-    if not available():
-        raise RuntimeError("q6k_matmul: the Q6_K kernel could not be built here (see the log)")
-    check_operands("q6k_matmul", x, packed, CHUNK)
-    return torch.ops.tformer.q6k_matmul(x, packed, packed.shape[0] * TILE, portable)
+q6k_matmul = define_matmul("q6k_matmul", "Q6_K", CHUNK, available)
 
 
 def q6k_formula(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
